@@ -1,0 +1,84 @@
+"""Numba kernels for block-sparse decode: anchors, block scores, top-k, attention, query votes.
+
+Imported as `ktlong.kernels`. Importing it (before any kernel compiles):
+- sets OMP_WAIT_POLICY=PASSIVE (unless set) and picks Numba's `omp` threading layer: spinning
+  OpenMP threads collapse throughput on a busy machine, and `workqueue` aborts when two Python
+  threads launch kernels at once (falls back to tbb, then workqueue, if omp is missing);
+- points Numba's on-disk cache at `<KTLONG_HOME or ~/.ktlong>/numba-cache/<hash of every source
+  file here>` (or `$NUMBA_CACHE_DIR/<hash>`), because Numba keys a cached kernel on its own file
+  only and would keep stale code after a change in a helper module.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numba  # noqa: E402
+
+_HERE = Path(__file__).resolve().parent
+
+
+def source_hash(folder: Path = _HERE) -> str:
+    """Hash of every kernel source file (and the Numba version): the compiled-cache key."""
+    h = hashlib.sha256(numba.__version__.encode())
+    for p in sorted(folder.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def cache_dir(folder: Path = _HERE) -> Path:
+    """Where compiled kernels are cached for the current sources."""
+    base = os.environ.get("NUMBA_CACHE_DIR")
+    if base:
+        return Path(base) / f"ktlong-{source_hash(folder)}"
+    home = Path(os.environ.get("KTLONG_HOME") or Path.home() / ".ktlong")
+    return home / "numba-cache" / source_hash(folder)
+
+
+def _threading_layer() -> str:
+    for name in ("omp", "tbb"):
+        try:
+            importlib.import_module(f"numba.np.ufunc.{name}pool")
+            return name
+        except ImportError:
+            continue
+    return "workqueue"
+
+
+if numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = _threading_layer()
+
+_saved_cache_dir = numba.config.CACHE_DIR
+try:
+    _dir = cache_dir()
+    _dir.mkdir(parents=True, exist_ok=True)
+    numba.config.CACHE_DIR = str(_dir)  # read when each @njit(cache=True) below is applied
+except OSError:
+    pass  # unwritable home: Numba's default cache location
+try:
+    from .anchors import (  # noqa: E402
+        compute_anchors, compute_anchors_ref, score_blocks, score_blocks_ref, topk_blocks,
+        topk_blocks_ref,
+    )
+    from .attention import (  # noqa: E402
+        attend_blocks, attend_blocks_ref, merge_partials, merge_partials_ref,
+    )
+    from .votes import query_votes, query_votes_ref  # noqa: E402
+finally:
+    numba.config.CACHE_DIR = _saved_cache_dir
+
+from ._simd import f32_to_kv, kv_to_f64  # noqa: E402
+from .threads import configure_threads  # noqa: E402
+
+KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
+
+__all__ = [
+    "KV_KINDS", "attend_blocks", "attend_blocks_ref", "cache_dir", "compute_anchors",
+    "compute_anchors_ref", "configure_threads", "f32_to_kv", "kv_to_f64", "merge_partials",
+    "merge_partials_ref", "query_votes", "query_votes_ref", "score_blocks", "score_blocks_ref",
+    "source_hash", "topk_blocks", "topk_blocks_ref",
+]

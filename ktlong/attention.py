@@ -1,0 +1,137 @@
+"""Attention glue: the function transformers calls for every layer, writing K,V into the store.
+
+transformers hands us post-RoPE `query [1, Hq, L, d]`, `key/value [1, Hkv, L, d]` of the tokens in
+flight (we pass no transformers Cache, so nothing else keeps K,V). The router appends K,V to the
+KVStore and computes attention from the store:
+- dense: chunk queries against the layer's whole past, tiled with an online softmax, so no
+  `[L, context]` matrix ever exists; on CUDA the current layer's KV is mirrored on the device;
+- sparse: per token, the selection policy picks blocks and a Numba kernel attends to them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ktlong.kvstore import KV_TYPES, KVStore
+from ktlong.model import ATTN_IMPLEMENTATION
+
+TILE_ELEMS = 1 << 24  # max floats in one [Hkv, g*L, T] score tile (64 MB)
+
+
+def ktlong_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    router: AttentionRouter | None = kwargs.get("ktlong")
+    if router is None:
+        raise RuntimeError("ktlong attention runs only inside a ktlong Session")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = router.attend(module.layer_idx, query[0], key[0], value[0], scale)  # [Hq, L, d]
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None  # [1, L, Hq, d]
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ktlong_attention)
+
+
+class AttentionRouter:
+    """Per-session state the attention function needs: store, policy, mode, captured queries."""
+
+    def __init__(self, store: KVStore, policy: Any, device: torch.device) -> None:
+        self.store, self.policy, self.device = store, policy, device
+        self.sparse = False  # set by the engine for each forward
+        self.capture = 0  # keep the last `capture` queries of each layer (for votes / anchors)
+        self.captured: dict[int, torch.Tensor] = {}  # layer -> [Hq, W, d] float32 (cpu)
+        self._dev_layer = -1  # layer whose KV is mirrored on the device (CUDA prefill)
+        self._dev_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dev_len = 0
+
+    def begin(self, sparse: bool, capture: int = 0, total: int = 0) -> None:
+        """Start a forward over `total` new tokens."""
+        self.sparse, self.capture, self.captured = sparse, capture, {}
+        self._dev_layer, self._dev_kv, self._total = -1, None, total
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q `[Hq, L, d]`, k, v `[Hkv, L, d]` -> attention output `[Hq, L, d]` float32."""
+        start = self.store.write(layer, k, v)
+        if self.capture:
+            prev = self.captured.get(layer)
+            qc = q.detach().float().cpu()
+            self.captured[layer] = (qc if prev is None else torch.cat([prev, qc], 1))[:, -self.capture:]
+        if self.sparse:
+            return self._sparse(layer, q, start, scale)
+        if self.device.type == "cuda":
+            self._mirror(layer, k, v, start)
+        return self._dense(layer, q, start, scale)
+
+    # --- dense: tiled online softmax over the store (or its device mirror) --------------------
+    def _tile(self, layer: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._dev_kv is not None and self._dev_layer == layer:
+            k, v = self._dev_kv
+            return k[:, t0:t1].float(), v[:, t0:t1].float()
+        k, v = self.store.token_range(layer, t0, t1)
+        return k.to(self.device), v.to(self.device)
+
+    def _mirror(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Keep this layer's KV on the GPU during a prefill: the past is uploaded once per layer."""
+        tdtype = KV_TYPES[self.store.shape.kv_type][1]
+        if self._dev_layer != layer:
+            self._dev_kv = None  # free the previous layer first: one layer's KV on the device
+            cap = start + self._total
+            H, d = k.shape[0], k.shape[-1]
+            dk = torch.empty((H, cap, d), dtype=tdtype, device=self.device)
+            dv = torch.empty_like(dk)
+            if start:
+                pk, pv = self.store.token_range(layer, 0, start)
+                dk[:, :start], dv[:, :start] = pk.to(self.device), pv.to(self.device)
+            self._dev_layer, self._dev_kv = layer, (dk, dv)
+        dk, dv = self._dev_kv
+        n = k.shape[1]
+        dk[:, start:start + n], dv[:, start:start + n] = k.to(tdtype), v.to(tdtype)
+
+    def _dense(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        Hq, L, d = q.shape
+        Hkv = self.store.shape.n_kv_heads
+        g = Hq // Hkv
+        end = start + L
+        qg = (q.float() * scale).reshape(Hkv, g * L, d)  # row j*L + i: head h = kv*g + j, token i
+        qpos = (start + torch.arange(L, device=q.device)).repeat(g)  # [g*L]
+        m = torch.full((Hkv, g * L), float("-inf"), device=q.device)
+        denom = torch.zeros((Hkv, g * L), device=q.device)
+        acc = torch.zeros((Hkv, g * L, d), device=q.device)
+        tile = max(256, TILE_ELEMS // (Hq * L))
+        for t0 in range(0, end, tile):
+            t1 = min(end, t0 + tile)
+            kt, vt = self._tile(layer, t0, t1)  # [Hkv, T, d]
+            s = torch.bmm(qg, kt.transpose(1, 2))  # [Hkv, g*L, T]
+            if t1 > start + 1:  # the tile reaches this chunk: causal mask
+                kpos = torch.arange(t0, t1, device=q.device)
+                s.masked_fill_(kpos[None, None, :] > qpos[None, :, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            p = torch.exp(s - m_new[..., None])
+            corr = torch.exp(m - m_new)
+            denom = denom * corr + p.sum(-1)
+            acc = acc * corr[..., None] + torch.bmm(p, vt)
+            m = m_new
+        return (acc / denom[..., None]).reshape(Hq, L, d)
+
+    # --- sparse: per token, policy picks blocks, Numba kernel attends -------------------------
+    def _sparse(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        from ktlong import kernels
+
+        Hq, L, d = q.shape
+        qn = q.detach().float().cpu().numpy()  # [Hq, L, d]
+        out = np.empty((Hq, L, d), np.float32)
+        k_base, v_base, k_tail, v_tail, nb_base = self.store.kernel_args(layer)
+        for i in range(L):
+            n_tokens = start + i + 1
+            qi = np.ascontiguousarray(qn[:, i])  # [Hq, d]
+            blocks = self.policy.select(layer, qi, n_tokens)  # [S, n] int32
+            o, _ = kernels.attend_blocks(qi, k_base, v_base, k_tail, v_tail, nb_base, blocks,
+                                         n_tokens, np.float32(scale), self.store.kv_kind)
+            out[:, i] = o
+        return torch.from_numpy(out).to(q.device)

@@ -1,0 +1,1 @@
+"""Benchmarks: decode speed against context length, and others built on the rooms."""

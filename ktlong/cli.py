@@ -1,0 +1,214 @@
+"""The `ktlong` command line (Typer). Each command parses, resolves settings and calls one function.
+
+Heavy modules (torch, transformers, numba) are imported inside commands, so `ktlong --help` is
+instant. Every error goes through one handler: a KtlongError prints `error: ...` (+ `hint: ...`) on
+stderr and exits 2; anything else prints one line and exits 1; `KTLONG_DEBUG=1` re-raises instead.
+
+Adding a command: write a function with the shared option aliases below, call `resolve(...)`, hand
+the settings to the module that does the work.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from ktlong import __version__
+from ktlong.config import FIELDS, Resolved, parse_int, resolve_settings, unknown_key
+from ktlong.errors import KtlongError
+
+# --- shared options -----------------------------------------------------------------------------
+ModelOpt = Annotated[Path | None, typer.Option(
+    "--model", "-m", metavar="DIR|FILE.gguf", show_default=False,
+    help="Model: a Hugging Face folder (config.json + *.safetensors) or a .gguf file.")]
+ProfileOpt = Annotated[str | None, typer.Option(
+    "--profile", "-p", metavar="NAME|PATH", show_default=False,
+    help="Settings profile: default, dense, quest, snapkv, infllm, streamingllm, kvretrieval, "
+         "one in $KTLONG_HOME/profiles, or a .yaml path.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", "-s", metavar="KEY=VALUE", show_default=False,
+    help="Set any setting; repeatable. `ktlong inspect config --explain` lists them.")]
+MaxSeqLenOpt = Annotated[str | None, typer.Option(
+    "--max-seq-len", metavar="TOKENS", show_default=False,
+    help="KV cache capacity in tokens, e.g. 131072 or 128K.")]
+KvTypeOpt = Annotated[str | None, typer.Option(
+    "--kv-type", metavar="BF16|FP16|FP32", show_default=False, help="KV cache precision.")]
+DeviceOpt = Annotated[str | None, typer.Option(
+    "--device", metavar="AUTO|CPU|CUDA", show_default=False, help="Where the model runs.")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", "-t", show_default=False, help="CPU threads for attention (0 = all cores).")]
+
+
+def overrides(sets: list[str] | None = None, **flags: Any) -> dict[str, Any]:
+    """`--set KEY=VALUE` items plus explicit flags (None = not given) as settings overrides."""
+    out: dict[str, Any] = {}
+    for item in sets or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise KtlongError(f"--set {item!r} is not KEY=VALUE", hint="e.g. --set block_size=64")
+        out[key.strip().replace("-", "_")] = value.strip()
+    out.update({k: v for k, v in flags.items() if v is not None})
+    return out
+
+
+def resolve(profile: str | None, sets: list[str] | None = None, **flags: Any) -> Resolved:
+    return resolve_settings(profile, overrides(sets, **flags))
+
+
+# --- the one error handler ----------------------------------------------------------------------
+def _debug() -> bool:
+    return os.environ.get("KTLONG_DEBUG", "") not in ("", "0")
+
+
+def _report(exc: BaseException) -> int:
+    """Print one line for `exc` on stderr; return the exit code."""
+    if isinstance(exc, KtlongError):
+        typer.echo(f"error: {exc.message}", err=True)
+        if exc.hint:
+            typer.echo(f"hint: {exc.hint}", err=True)
+        return 2
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    typer.echo(f"error: {type(exc).__name__}: {text} (set KTLONG_DEBUG=1 for the traceback)",
+               err=True)
+    return 1
+
+
+class _Group(TyperGroup):
+    """Root group: turns exceptions from any command into the one-line report."""
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.TyperException, typer.Exit, typer.Abort):  # usage errors, exits, Ctrl-C
+            raise
+        except Exception as e:
+            if _debug():
+                raise
+            raise typer.Exit(_report(e)) from None
+
+
+app = typer.Typer(name="ktlong", cls=_Group, no_args_is_help=True, add_completion=True,
+                  pretty_exceptions_show_locals=False,
+                  help="Chat with a local LLM about very long documents (128K-1M tokens) using "
+                       "block-sparse CPU attention.")
+inspect_app = typer.Typer(no_args_is_help=True, help="Show settings, models and caches.")
+bench_app = typer.Typer(no_args_is_help=True, help="Measure speed.")
+app.add_typer(inspect_app, name="inspect")
+app.add_typer(bench_app, name="bench")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ktlong {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version.")] = False) -> None:
+    """Chat with a local LLM about very long documents (128K-1M tokens)."""
+
+
+# --- memcheck -----------------------------------------------------------------------------------
+@app.command()
+def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: ProfileOpt = None,
+             write: Annotated[bool, typer.Option(
+                 "--write", help="Write the recommended max_seq_len to config.yaml.")] = False,
+             as_json: JsonOpt = False) -> None:
+    """How long a context fits: KV cache per length against free DRAM and GPU memory.
+
+    Reads only the model's metadata (config.json or GGUF header), never its weights.
+    """
+    from ktlong import configfile, memory, render
+
+    res = resolve(profile, kv_type=kv_type)
+    if model is not None:
+        from ktlong.model import read_spec
+
+        spec = read_spec(model)
+    else:
+        spec = memory.REFERENCE
+    free_gpu = None if res.settings.device == "CPU" else memory.free_gpu_bytes()
+    report = memory.report(spec, res.settings.kv_type, memory.free_dram_bytes(), free_gpu)
+    written = None
+    if write:
+        rec = report["recommended_max_seq_len"]
+        if rec <= 0:
+            raise KtlongError("no context length fits in free memory; config.yaml left as it is",
+                              hint="free memory, or try --kv-type or a smaller model")
+        configfile.set_value(res.config_file, "max_seq_len", str(rec))
+        written = str(res.config_file)
+    if as_json:
+        render.print_json(report | {"configured_max_seq_len": res.settings.max_seq_len,
+                                    "written": written})
+    else:
+        render.memcheck(report, res.settings.max_seq_len, written)
+
+
+# --- inspect ------------------------------------------------------------------------------------
+@inspect_app.command("config")
+def inspect_config(keys: Annotated[list[str] | None, typer.Argument(
+                       metavar="KEY", show_default=False, help="Only these keys.")] = None,
+                   profile: ProfileOpt = None, sets: SetOpt = None,
+                   max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
+                   device: DeviceOpt = None, threads: ThreadsOpt = None,
+                   explain: Annotated[bool, typer.Option(
+                       "--explain", help="Add each key's allowed values and meaning.")] = False,
+                   as_json: JsonOpt = False) -> None:
+    """Effective settings and where each value came from (flag, env, profile, config, default)."""
+    from ktlong import render
+
+    for key in keys or []:
+        if key not in FIELDS:
+            raise unknown_key(key, "inspect config")
+    res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
+                  threads_num=threads)
+    if as_json:
+        shown = keys or list(FIELDS)
+        data: dict[str, Any] = {
+            "settings": {k: getattr(res.settings, k) for k in shown},
+            "sources": {k: res.sources[k] for k in shown},
+            "config_file": str(res.config_file)}
+        if explain:
+            data["fields"] = {k: {"kind": FIELDS[k].kind, "allowed": FIELDS[k].allowed(),
+                                  "default": FIELDS[k].default,
+                                  "description": FIELDS[k].description} for k in shown}
+        render.print_json(data)
+    else:
+        render.settings(res, explain, keys)
+
+
+# --- bench --------------------------------------------------------------------------------------
+@bench_app.command("decode")
+def bench_decode(contexts: Annotated[str, typer.Option(
+                     help="Context lengths, comma-separated (K and M suffixes allowed).")]
+                 = "16384,65536,131072,262144,1048576",
+                 repeats: Annotated[int, typer.Option(min=1, help="Timed runs per length.")] = 5,
+                 threads: Annotated[int, typer.Option(
+                     "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                 as_json: JsonOpt = False) -> None:
+    """Sparse decode-attention speed against context length (kernels only, no model)."""
+    try:
+        lengths = [parse_int(x) for x in contexts.split(",") if x.strip()]
+    except ValueError:
+        raise KtlongError(f"--contexts {contexts!r}: expected numbers like 16384,64K,1M") from None
+    if not lengths or min(lengths) <= 0:
+        raise KtlongError(f"--contexts {contexts!r}: give at least one positive length")
+    from ktlong.bench import decode
+
+    decode.main(contexts=lengths, repeats=repeats, threads=threads, as_json=as_json)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the app; errors raised outside a command get the same report."""
+    try:
+        app(args=argv, prog_name="ktlong")
+    except Exception as e:  # the one top-level handler
+        if _debug():
+            raise
+        sys.exit(_report(e))

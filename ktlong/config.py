@@ -1,0 +1,407 @@
+"""Typed settings: every key with its description, checks, profiles and the user's config.yaml.
+
+Precedence, highest first: flag (overrides) > `KTLONG_<KEY>` env > `--profile NAME|PATH` >
+`$KTLONG_HOME/config.yaml` (default home `~/.ktlong`) > defaults. `Resolved.sources[key]` says
+which layer gave each value: `default`, `config:<path>`, `profile:<name|path>`, `env:KTLONG_X`
+or `flag`.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ktlong import configfile
+from ktlong.errors import KtlongError
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """What the CLI knows about a key: kind is int|float|bool|str|enum."""
+
+    kind: str
+    default: Any
+    description: str
+    group: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] = ()
+
+    def allowed(self) -> str:
+        if self.kind == "enum":
+            return "|".join(self.choices)
+        if self.kind == "bool":
+            return "true|false"
+        if self.min is not None and self.max is not None:
+            return f"{self.kind} {self.min}..{self.max}"
+        if self.min is not None:
+            return f"{self.kind} >= {self.min}"
+        return self.kind
+
+
+def _f(kind: str, default: Any, group: str, description: str, lo: float | None = None,
+       hi: float | None = None, choices: tuple[str, ...] = ()) -> Any:
+    spec = FieldSpec(kind, default, description, group, lo, hi, choices)
+    return field(default=default, metadata={"spec": spec})
+
+
+_KV_TYPES = ("BF16", "FP16", "FP32")
+_ANCHORS = ("DYNAMIC", "MAX", "MEAN", "QUEST", "FIX")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every long-context and generation setting. Built from strings too: values are coerced and
+    checked on construction (enums accepted in any case), so an invalid Settings cannot exist."""
+
+    # memory
+    max_seq_len: int = _f("int", 131072, "memory", "Most tokens the KV cache holds (document + "
+                          "chat)", 1)
+    kv_type: str = _f("enum", "BF16", "memory", "Precision of the stored K and V",
+                      choices=_KV_TYPES)
+    chunk_size: int = _f("int", 4096, "memory", "Prefill chunk in tokens; bigger is faster and "
+                         "needs more device memory", 1)
+    # runtime
+    device: str = _f("enum", "AUTO", "runtime", "Where the model runs; AUTO uses CUDA if present",
+                     choices=("AUTO", "CPU", "CUDA"))
+    threads_num: int = _f("int", 0, "runtime", "CPU threads for attention; 0 = all cores", 0)
+    # sparse attention
+    attention: str = _f("enum", "SPARSE", "sparse attention", "SPARSE picks KV blocks per step; "
+                        "DENSE reads every token (exact)", choices=("SPARSE", "DENSE"))
+    block_size: int = _f("int", 128, "sparse attention", "Tokens per KV block, the unit of "
+                         "selection", 1)
+    init_len: int = _f("int", 128, "sparse attention", "First tokens always attended (sinks); "
+                       "a multiple of block_size", 0)
+    local_windows_len: int = _f("int", 4096, "sparse attention", "Last tokens always attended; "
+                                "a multiple of block_size", 0)
+    second_select_num: int = _f("int", 96, "sparse attention", "Blocks selected per step besides "
+                                "init and local; 0 = none", 0)
+    anchor_type: str = _f("enum", "DYNAMIC", "sparse attention", "How a block is summarised for "
+                          "scoring", choices=_ANCHORS)
+    anchor_num: int = _f("int", 1, "sparse attention", "Representative keys per block (QUEST: 2)",
+                         1)
+    head_select_mode: str = _f("enum", "SHARED", "sparse attention", "KV heads pick blocks "
+                               "together or each its own", choices=("SHARED", "SEPARATE"))
+    dense_layer_num: int = _f("int", 0, "sparse attention", "First layers that read every "
+                              "token", 0)
+    token_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N new tokens", 1)
+    layer_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N layers", 1)
+    gpu_local_window: bool = _f("bool", True, "sparse attention", "Attend to the local window on "
+                                "the GPU when there is one")
+    # preselection (SnapKV-style, once per question)
+    preselect_block: bool = _f("bool", False, "preselection", "Preselect blocks once per "
+                               "question; decode picks only among them")
+    preselect_block_count: int = _f("int", 96, "preselection", "Blocks kept by preselection", 0)
+    preselect_window: int = _f("int", 64, "preselection", "Last prompt queries that vote "
+                               "(preselection, DYNAMIC anchors)", 1)
+    preselect_pool: int = _f("int", 7, "preselection", "Pooling width over the votes; odd, "
+                             "1 = none", 1)
+    # generation
+    max_new_tokens: int = _f("int", 512, "generation", "Most tokens generated per answer", 1)
+    temperature: float = _f("float", 0.0, "generation", "Sampling temperature; 0 = greedy", 0.0)
+    top_p: float = _f("float", 1.0, "generation", "Nucleus sampling mass in (0, 1]", 0.0, 1.0)
+    top_k: int = _f("int", 0, "generation", "Sample among the k likeliest tokens; 0 = all", 0)
+    seed: int = _f("int", -1, "generation", "Random seed; -1 = random", -1)
+    # prompt cache
+    cache_dir: str = _f("str", "", "prompt cache", "Folder of prompt caches; empty = "
+                        "$KTLONG_HOME/cache")
+    cache_max_gb: float = _f("float", 64.0, "prompt cache", "Evict old prompt caches beyond this "
+                             "many GB", 0.0)
+
+    def __post_init__(self) -> None:
+        values = {}
+        for name in FIELDS:
+            values[name] = coerce(name, getattr(self, name), "Settings")
+            object.__setattr__(self, name, values[name])
+        check(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in FIELDS}
+
+
+FIELDS: dict[str, FieldSpec] = {f.name: f.metadata["spec"] for f in fields(Settings)}
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def parse_int(text: str) -> int:
+    """'4096', '4_096', '128K' (x1024) or '1M' (x1048576) -> int; ValueError otherwise."""
+    t = text.strip().replace("_", "")
+    mult = {"k": 1024, "m": 1024 * 1024}.get(t[-1:].lower(), 1)
+    return int(t[:-1] if mult > 1 else t) * mult
+
+
+def coerce(key: str, value: Any, origin: str) -> Any:
+    """Turn a YAML/env/flag value into the key's type, range-checked; KtlongError names `origin`."""
+    spec = FIELDS[key]
+    bad = KtlongError(f"{origin}: {key} must be {spec.allowed()}, got {value!r}",
+                      hint=f"{key}: {spec.description}")
+    if spec.kind == "str":
+        return "" if value is None else str(value)
+    if isinstance(value, (list, dict)) or value is None:
+        raise bad
+    if spec.kind == "enum":
+        v = str(value).strip().upper()
+        if v not in spec.choices:
+            raise bad
+        return v
+    if spec.kind == "bool":
+        if isinstance(value, bool):
+            return value
+        t = str(value).strip().lower()
+        if t in _TRUE or t in _FALSE:
+            return t in _TRUE
+        raise bad
+    if isinstance(value, bool):
+        raise bad
+    try:
+        if spec.kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            v = parse_int(value) if isinstance(value, str) else int(value)
+        else:
+            v = float(value)
+    except (ValueError, TypeError, OverflowError):
+        raise bad from None
+    if (spec.min is not None and v < spec.min) or (spec.max is not None and v > spec.max):
+        raise KtlongError(f"{origin}: {key} = {value} is out of range",
+                          hint=f"{key} must be {spec.allowed()}")
+    return v
+
+
+def check(v: dict[str, Any], sources: dict[str, str] | None = None) -> None:
+    """Cross-field rules. Messages say where each value came from when `sources` is given."""
+
+    def at(*keys: str) -> str:
+        if not sources:
+            return ""
+        return " (" + ", ".join(f"{k} from {sources[k]}" for k in keys) + ")"
+
+    bs = v["block_size"]
+    if v["anchor_type"] == "QUEST" and v["anchor_num"] != 2:
+        raise KtlongError(f"anchor_type QUEST needs anchor_num 2, got {v['anchor_num']}"
+                          + at("anchor_type", "anchor_num"),
+                          hint="set anchor_num: 2 (QUEST keeps each block's channel min and max)")
+    if v["anchor_num"] > bs:
+        raise KtlongError(f"anchor_num {v['anchor_num']} is more than block_size {bs}"
+                          + at("anchor_num", "block_size"),
+                          hint=f"set anchor_num to at most {bs}")
+    for key in ("init_len", "local_windows_len"):
+        if v[key] % bs:
+            lo, hi = v[key] // bs * bs, (v[key] // bs + 1) * bs
+            raise KtlongError(f"{key} {v[key]} is not a multiple of block_size {bs}"
+                              + at(key, "block_size"), hint=f"set {key} to {lo} or {hi}")
+    if v["preselect_block"] and v["second_select_num"] == 0:
+        raise KtlongError("preselect_block is on but second_select_num is 0"
+                          + at("preselect_block", "second_select_num"),
+                          hint="set second_select_num above 0, or preselect_block: false")
+    if v["preselect_block"] and v["preselect_block_count"] == 0:
+        raise KtlongError("preselect_block is on but preselect_block_count is 0"
+                          + at("preselect_block", "preselect_block_count"),
+                          hint="set preselect_block_count above 0 (e.g. 96)")
+    if v["preselect_pool"] % 2 == 0:
+        raise KtlongError(f"preselect_pool must be odd, got {v['preselect_pool']}"
+                          + at("preselect_pool"), hint="use 1 (no pooling), 3, 5, 7, ...")
+    if v["top_p"] <= 0.0:
+        raise KtlongError(f"top_p must be in (0, 1], got {v['top_p']}" + at("top_p"),
+                          hint="use 1.0 to turn nucleus sampling off")
+
+
+# --- homes, profiles, layers -------------------------------------------------------------------
+
+def ktlong_home() -> Path:
+    """`$KTLONG_HOME`, else `~/.ktlong`."""
+    env = os.environ.get("KTLONG_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".ktlong"
+
+
+def config_path() -> Path:
+    return ktlong_home() / "config.yaml"
+
+
+def _builtin_profiles() -> dict[str, Any]:
+    root = resources.files("ktlong.profiles")
+    return {p.name[:-5]: p for p in root.iterdir() if p.name.endswith(".yaml")}
+
+
+def _user_profiles() -> dict[str, Path]:
+    folder = ktlong_home() / "profiles"
+    return {p.stem: p for p in folder.glob("*.yaml")} if folder.is_dir() else {}
+
+
+def available_profiles() -> list[str]:
+    """Profile names: built-in ones and `$KTLONG_HOME/profiles/*.yaml` (which win on a clash)."""
+    return sorted(set(_builtin_profiles()) | set(_user_profiles()))
+
+
+def profile_text(profile: str) -> tuple[str, str, str]:
+    """(label for sources, origin for messages, YAML text) of a profile name or path."""
+    looks_like_path = os.sep in profile or "/" in profile or profile.endswith((".yaml", ".yml"))
+    if looks_like_path:
+        p = Path(profile).expanduser()
+        if not p.is_file():
+            raise KtlongError(f"profile file {p} does not exist",
+                              hint=f"built-in profiles: {', '.join(available_profiles())}")
+        return str(p), str(p), configfile.read_text(p)
+    user = _user_profiles()
+    if profile in user:
+        return profile, str(user[profile]), configfile.read_text(user[profile])
+    builtin = _builtin_profiles()
+    if profile in builtin:
+        return profile, str(builtin[profile]), builtin[profile].read_text(encoding="utf-8")
+    close = difflib.get_close_matches(profile, available_profiles(), n=1)
+    raise KtlongError(f"no profile named '{profile}'" + (f" (did you mean '{close[0]}'?)" if close
+                                                           else ""),
+                      hint=f"available: {', '.join(available_profiles())}; or pass a .yaml path")
+
+
+def unknown_key(key: str, where: str) -> KtlongError:
+    close = difflib.get_close_matches(key, list(FIELDS), n=1, cutoff=0.5)
+    return KtlongError(f"{where}: unknown setting '{key}'"
+                       + (f"; did you mean '{close[0]}'?" if close else ""),
+                       hint="`ktlong inspect config --explain` lists every setting")
+
+
+def load_layer(text: str, origin: str) -> dict[str, Any]:
+    """Parse and type-check one YAML layer (config file or profile)."""
+    out = {}
+    for key, entry in configfile.parse_mapping(text, origin).items():
+        where = f"{origin}:{entry.line}"
+        if key not in FIELDS:
+            raise unknown_key(key, where)
+        out[key] = coerce(key, entry.value, where)
+    return out
+
+
+@dataclass(frozen=True)
+class Resolved:
+    settings: Settings
+    sources: dict[str, str]
+    config_file: Path
+
+
+def resolve_settings(profile: str | None = None,
+                     overrides: dict[str, Any] | None = None) -> Resolved:
+    """Merge defaults < config.yaml < profile < env < overrides, then check the result.
+
+    Creates (or completes) `config.yaml` on the way. Overrides whose value is None are ignored.
+    """
+    path = ensure_config()
+    values = {k: s.default for k, s in FIELDS.items()}
+    sources = dict.fromkeys(FIELDS, "default")
+
+    def apply(layer: dict[str, Any], label: str) -> None:
+        values.update(layer)
+        sources.update(dict.fromkeys(layer, label))
+
+    apply(load_layer(configfile.read_text(path), str(path)), f"config:{path}")
+    if profile:
+        label, origin, text = profile_text(profile)
+        apply(load_layer(text, origin), f"profile:{label}")
+    for key in FIELDS:
+        var = f"KTLONG_{key.upper()}"
+        raw = os.environ.get(var, "")
+        if raw != "":
+            apply({key: coerce(key, raw, f"environment {var}")}, f"env:{var}")
+    for key, raw in (overrides or {}).items():
+        key = key.replace("-", "_")
+        if key not in FIELDS:
+            raise unknown_key(key, "flag")
+        if raw is not None:
+            apply({key: coerce(key, raw, "flag")}, "flag")
+    check(values, sources)
+    return Resolved(Settings(**values), sources, path)
+
+
+# --- the user's config.yaml: written once, then only appended to -------------------------------
+
+_HEADER = """\
+# ktlong settings, written by ktlong {version} on first run. Edit freely: ktlong never rewrites
+# this file; a newer ktlong only appends the keys it adds. Precedence, highest first: flags,
+# KTLONG_<KEY> environment variables, --profile, this file, built-in defaults.
+# `ktlong inspect config --explain` describes every key and shows where each value comes from.
+"""
+
+
+def yaml_value(value: Any) -> str:
+    """A value as YAML text that reads back as the same value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value if value.isidentifier() and value.lower() not in _TRUE + _FALSE + ("null",) \
+            else json.dumps(value)
+    return repr(value)
+
+
+def _entry(key: str, value: Any, note: str = "") -> str:
+    spec = FIELDS[key]
+    return f"# {spec.description} ({spec.allowed()}){note}\n{key}: {yaml_value(value)}\n"
+
+
+def _first_run_max_seq_len() -> tuple[int, str]:
+    from ktlong import memory
+
+    free = memory.free_dram_bytes()
+    n = max(memory.recommend_max_seq_len(memory.REFERENCE, FIELDS["kv_type"].default, free), 4096)
+    return n, (f"\n# chosen from {memory.gb(free)} free DRAM for an 8B model; "
+               "`ktlong memcheck --model M --write` fits it to yours")
+
+
+def render_config(values: dict[str, Any], notes: dict[str, str] | None = None) -> str:
+    """The whole first-run file: a header, then each group's keys with a comment each."""
+    from ktlong import __version__
+
+    out = [_HEADER.format(version=__version__)]
+    group = None
+    for key, spec in FIELDS.items():
+        if spec.group != group:
+            group = spec.group
+            out.append(f"\n# -- {group} --\n")
+        out.append(_entry(key, values[key], (notes or {}).get(key, "")))
+    return "".join(out)
+
+
+def ensure_config() -> Path:
+    """Make sure `$KTLONG_HOME/config.yaml` exists and holds every key; return its path.
+
+    First run writes it whole. Later, keys it lacks are appended with their defaults (the user's
+    text stays byte for byte). A file that does not parse is left untouched and reported.
+    """
+    home = ktlong_home()
+    path = home / "config.yaml"
+    fix = "set KTLONG_HOME to a folder you can write to"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        exists = path.exists()
+    except OSError as e:
+        raise KtlongError(f"cannot use {home} as the ktlong home: {e.strerror or e}",
+                          hint=fix) from None
+    if not exists:
+        n, note = _first_run_max_seq_len()
+        values = {k: s.default for k, s in FIELDS.items()} | {"max_seq_len": n}
+        try:
+            configfile.atomic_write(path, render_config(values, {"max_seq_len": note}))
+        except OSError as e:
+            raise KtlongError(f"cannot write {path}: {e.strerror or e}", hint=fix) from None
+        return path
+    present = configfile.parse_mapping(configfile.read_text(path), str(path))
+    missing = [k for k in FIELDS if k not in present]
+    if missing:
+        from ktlong import __version__
+
+        block = f"\n# -- added by ktlong {__version__} --\n"
+        for key in missing:
+            if key == "max_seq_len":
+                n, note = _first_run_max_seq_len()
+                block += _entry(key, n, note)
+            else:
+                block += _entry(key, FIELDS[key].default)
+        try:
+            configfile.append_block(path, block)
+        except OSError:
+            pass  # a read-only home still works: missing keys take their defaults
+    return path

@@ -1,0 +1,228 @@
+"""A chat session over one KV store: layer-major chunked prefill, then token-by-token decode.
+
+The engine prints nothing: `prefill` reports progress through a callback and `generate` yields a
+`Step` per token with running stats (mlx-lm's stream_generate shape).
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ktlong.attention import AttentionRouter
+from ktlong.config import Settings
+from ktlong.errors import KtlongError
+from ktlong.kvstore import KVStore, StoreShape
+from ktlong.memory import kv_bytes_per_token
+from ktlong.model import LoadedModel
+from ktlong.selection import SelectionPolicy
+
+Progress = Callable[[int, int], None]  # (tokens done, total)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = -1  # -1 = random
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Sampling:
+        return cls(s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.seed)
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0  # tokens prefilled by the last prefill call
+    prefill_tok_s: float = 0.0
+    prefill_s: float = 0.0
+    new_tokens: int = 0
+    decode_tok_s: float = 0.0
+    context_tokens: int = 0
+    kv_bytes: int = 0
+    attended_share: float = 1.0  # share of context blocks read per decode step (mean)
+
+
+@dataclass
+class Step:
+    token_id: int
+    text: str  # new text this token completes (may be "" mid-character)
+    stats: Stats = field(default_factory=Stats)
+
+
+def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> int:
+    """logits [vocab] -> token id (greedy when temperature is 0)."""
+    if sp.temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / sp.temperature
+    if sp.top_k > 0:
+        kth = torch.topk(logits, min(sp.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if sp.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < sp.top_p  # always keeps the first
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+class Session:
+    """One conversation: the model, its KV store, the selection policy and the tokens so far."""
+
+    def __init__(self, lm: LoadedModel, settings: Settings, store: KVStore | None = None,
+                 tokens: list[int] | None = None) -> None:
+        self.lm, self.settings = lm, settings
+        spec = lm.spec
+        shape = StoreShape(spec.n_layers, spec.n_kv_heads, spec.head_dim, settings.block_size,
+                           settings.kv_type, settings.anchor_num)
+        self.store = store or KVStore(shape, settings.max_seq_len)
+        self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
+        self.policy = SelectionPolicy(settings, spec, self.store)
+        self.router = AttentionRouter(self.store, self.policy, lm.device)
+        self.stats = Stats()
+        self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
+        threads = settings.threads_num or os.cpu_count() or 1
+        torch.set_num_threads(threads)
+        from ktlong import kernels
+
+        kernels.configure_threads(threads)
+
+    # --- checks ------------------------------------------------------------------------------
+    def check_fits(self, n_new: int) -> None:
+        """Refuse, before any work, a prompt the store cannot hold (never truncate silently)."""
+        need = len(self.tokens) + n_new
+        if need > self.store.capacity:
+            per_tok = kv_bytes_per_token(self.lm.spec, self.settings.kv_type)
+            raise KtlongError(
+                f"the prompt needs {need:,} tokens but max_seq_len is {self.store.capacity:,}; "
+                f"{need:,} tokens need {need * per_tok / 1e9:.1f} GB of KV cache",
+                hint="run `ktlong memcheck` to see what fits, then raise max_seq_len")
+
+    # --- forward -----------------------------------------------------------------------------
+    def _forward(self, ids: list[int], progress: Progress | None, sparse: bool,
+                 all_logits: bool = False) -> torch.Tensor:
+        """Layer-major, chunked forward of `ids` appended after the store's tokens."""
+        lm, st = self.lm, self.settings
+        body = lm.model.model
+        dev = lm.device
+        start, n = len(self.tokens), len(ids)
+        chunk = n if sparse and n == 1 else st.chunk_size
+        capture = max(st.preselect_window, 64) if n > 1 else 0
+        self.router.begin(sparse=sparse, capture=min(capture, n), total=n)
+        with torch.inference_mode():
+            hidden = body.embed_tokens(torch.tensor(ids, device=dev))  # [n, hidden]
+            if dev.type == "cuda" and n > chunk:
+                hidden = hidden.cpu()  # only one chunk of activations on the device
+            bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
+            n_layers = len(body.layers)
+            for li, layer in enumerate(body.layers):
+                for c0, c1 in bounds:
+                    h = hidden[c0:c1].to(dev).unsqueeze(0)  # [1, C, hidden]
+                    pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
+                    h = layer(h, position_embeddings=body.rotary_emb(h, pos), position_ids=pos,
+                              ktlong=self.router)
+                    hidden[c0:c1] = h[0].to(hidden.device)
+                    if progress is not None:
+                        progress((li * n + c1) // n_layers, n)
+            last = hidden if all_logits else hidden[-1:]
+            logits = lm.model.lm_head(body.norm(last.to(dev))).float()  # [n or 1, vocab]
+        self.tokens.extend(ids)
+        if n > 1:
+            self.policy.on_prefill_end(self.router.captured, len(self.tokens))
+        return logits
+
+    def prefill(self, ids: list[int], progress: Progress | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """Append `ids` to the conversation (the document, or a new turn); returns logits.
+
+        The first prefill (and any prefill under dense attention) is exact and chunked. A later
+        turn under a sparse profile goes token by token through the block-sparse kernels once the
+        context outgrows the selection budget, so appending a question never re-reads the whole
+        document densely.
+        """
+        if not ids:
+            raise KtlongError("nothing to prefill: the prompt is empty")
+        self.check_fits(len(ids))
+        t0 = time.perf_counter()
+        sparse = bool(self.tokens) and self.policy.sparse_for(len(self.tokens) + len(ids))
+        logits = self._forward(ids, progress, sparse=sparse, all_logits=all_logits)
+        dt = time.perf_counter() - t0
+        self.logits = logits[-1]
+        self.stats = Stats(prompt_tokens=len(ids), prefill_s=dt,
+                           prefill_tok_s=len(ids) / dt if dt > 0 else 0.0,
+                           context_tokens=len(self.tokens), kv_bytes=self.store.nbytes_used())
+        return logits
+
+    def common_prefix(self, ids: list[int]) -> int:
+        """How many leading tokens of `ids` the store already holds."""
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def extend_to(self, ids: list[int], progress: Progress | None = None) -> torch.Tensor:
+        """Make the store hold exactly `ids`, prefilling only what it lacks.
+
+        The usual case appends a new turn; if the conversation diverged (an edited history), the
+        store is cut back to the shared prefix first.
+        """
+        keep = self.common_prefix(ids)
+        if keep == len(ids):  # nothing new: re-feed the last token to get its logits
+            keep -= 1
+        keep = max(keep, self.store.nb_base * self.store.shape.block_size)
+        if keep < len(self.tokens):
+            self.truncate(keep)
+        return self.prefill(ids[keep:], progress)
+
+    def generate(self, sampling: Sampling) -> Iterator[Step]:
+        """Yield sampled tokens until EOS or `max_new_tokens`; each Step carries running stats.
+
+        A token is fed through the model only when the next one is needed, so the store holds
+        every token yielded except the last (EOS, or the one that hit the limit): the caller
+        appends what should follow (e.g. the chat template's end-of-turn) with `prefill`.
+        """
+        if self.logits is None:
+            raise RuntimeError("prefill before generate")
+        gen = None
+        if sampling.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(sampling.seed if sampling.seed >= 0 else int(time.time_ns() % 2**31))
+        tok = self.lm.tokenizer
+        stats, out_ids, text = self.stats, [], ""
+        stats.new_tokens, stats.decode_tok_s = 0, 0.0
+        self.policy.reset_counters()
+        t0 = time.perf_counter()
+        for i in range(sampling.max_new_tokens):
+            token = sample(self.logits, sampling, gen)
+            out_ids.append(token)
+            full = tok.decode(out_ids, skip_special_tokens=True)
+            delta = "" if full.endswith("\ufffd") else full[len(text):]
+            text = text if full.endswith("\ufffd") else full
+            done = token in self.lm.eos_ids or i + 1 == sampling.max_new_tokens
+            if not done:
+                self.check_fits(1)
+                self.logits = self._forward([token], None, sparse=True)[-1]
+            dt = time.perf_counter() - t0
+            stats.new_tokens = i + 1
+            stats.decode_tok_s = stats.new_tokens / dt if dt > 0 else 0.0
+            stats.context_tokens, stats.kv_bytes = len(self.tokens), self.store.nbytes_used()
+            stats.attended_share = self.policy.attended_share()
+            yield Step(token, "" if token in self.lm.eos_ids else delta, stats)
+            if done:
+                return
+
+    def truncate(self, n_tokens: int) -> None:
+        """Go back to the first `n_tokens` tokens (e.g. /reset to just the document)."""
+        if n_tokens > len(self.tokens):
+            raise ValueError("cannot truncate forward")
+        self.store.truncate(n_tokens)
+        del self.tokens[n_tokens:]
+        self.policy.truncate(n_tokens)
+        self.logits = None

@@ -1,0 +1,153 @@
+"""The KV store: every layer's keys and values in DRAM (or memory-mapped), cut into blocks.
+
+Layout per layer, per segment: `[Hkv, blocks, block_size, head_dim]`, so each head-block is one
+contiguous run the kernels read in one sweep. Two segments (docs/internals.md):
+- base: read-only full blocks, usually a memory-mapped prompt-cache entry (may be empty);
+- tail: RAM blocks that new tokens are written to.
+Half-precision KV is kept as uint16 bit patterns (Numba cannot read float16/bfloat16 arrays).
+No policy lives here: which blocks to read is `selection`'s business.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ktlong.errors import KtlongError
+
+# kv_type -> (numpy storage dtype, torch dtype of the values, kernel kind)
+KV_TYPES = {
+    "FP32": (np.float32, torch.float32, 0),
+    "BF16": (np.uint16, torch.bfloat16, 1),
+    "FP16": (np.uint16, torch.float16, 2),
+}
+KV_BYTES = {"FP32": 4, "BF16": 2, "FP16": 2}
+
+
+@dataclass(frozen=True)
+class StoreShape:
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_type: str
+    anchor_num: int
+
+
+def _to_storage(x: torch.Tensor, kv_type: str) -> np.ndarray:
+    """[..., d] float tensor (any device) -> numpy array in the store's storage dtype."""
+    _, tdtype, _ = KV_TYPES[kv_type]
+    x = x.detach().to(device="cpu", dtype=tdtype).contiguous()
+    if kv_type == "FP32":
+        return x.numpy()
+    return x.view(torch.int16).numpy().view(np.uint16)
+
+
+def from_storage(a: np.ndarray, kv_type: str) -> torch.Tensor:
+    """Numpy storage array -> float32 torch tensor of the same shape (a copy)."""
+    if kv_type == "FP32":
+        return torch.from_numpy(np.ascontiguousarray(a))
+    _, tdtype, _ = KV_TYPES[kv_type]
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(tdtype).float()
+
+
+class KVStore:
+    """K, V and block anchors for every layer of one conversation.
+
+    `capacity` is the most tokens the store can hold (max_seq_len). Tail arrays come from
+    np.zeros, so pages are only touched as tokens are written.
+    """
+
+    def __init__(self, shape: StoreShape, capacity: int,
+                 base: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
+                 base_anchors: list[np.ndarray] | None = None) -> None:
+        if shape.kv_type not in KV_TYPES:
+            raise KtlongError(f"kv_type {shape.kv_type} is not one of {', '.join(KV_TYPES)}")
+        self.shape = shape
+        self.capacity = capacity
+        dtype, _, self.kv_kind = KV_TYPES[shape.kv_type]
+        L, H, bs, d = shape.n_layers, shape.n_kv_heads, shape.block_size, shape.head_dim
+        self.nb_cap = -(-capacity // bs)
+        if base is None:
+            empty = np.zeros((H, 0, bs, d), dtype)
+            base = ([empty] * L, [empty] * L)
+        self.k_base, self.v_base = list(base[0]), list(base[1])
+        self.nb_base = self.k_base[0].shape[1]
+        if self.nb_base * bs > capacity:
+            raise KtlongError(f"the cached context ({self.nb_base * bs} tokens) is longer than "
+                              f"max_seq_len ({capacity})", hint="raise max_seq_len (ktlong memcheck)")
+        nb_tail = self.nb_cap - self.nb_base
+        self.k_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
+        self.v_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
+        self.anchors = [np.zeros((H, self.nb_cap, shape.anchor_num, d), np.float32)
+                        for _ in range(L)]
+        self.n_anchored = [0] * L  # blocks [0, n_anchored) have anchors
+        if base_anchors is not None:
+            for layer, a in enumerate(base_anchors):
+                self.anchors[layer][:, : a.shape[1]] = a
+                self.n_anchored[layer] = a.shape[1]
+        self.lengths = [self.nb_base * bs] * L  # tokens written, per layer
+
+    # --- sizes -------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens held by every layer (layers differ only in the middle of a prefill)."""
+        return min(self.lengths)
+
+    def n_blocks(self, n_tokens: int | None = None) -> int:
+        n = self.length if n_tokens is None else n_tokens
+        return -(-n // self.shape.block_size)
+
+    def nbytes_used(self) -> int:
+        s = self.shape
+        per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * KV_BYTES[s.kv_type]
+        return self.length * per_token
+
+    # --- writing -----------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Append k, v `[Hkv, n, d]` to `layer`; returns the position of the first new token."""
+        start, n = self.lengths[layer], k.shape[1]
+        if start + n > self.capacity:
+            raise KtlongError(f"the conversation needs {start + n} tokens but max_seq_len is "
+                              f"{self.capacity}", hint="raise max_seq_len (ktlong memcheck) or /reset")
+        off = start - self.nb_base * self.shape.block_size
+        H, d = self.shape.n_kv_heads, self.shape.head_dim
+        self.k_tail[layer].reshape(H, -1, d)[:, off:off + n] = _to_storage(k, self.shape.kv_type)
+        self.v_tail[layer].reshape(H, -1, d)[:, off:off + n] = _to_storage(v, self.shape.kv_type)
+        self.lengths[layer] = start + n
+        return start
+
+    def truncate(self, n_tokens: int) -> None:
+        """Forget every token from `n_tokens` on (the base segment cannot be cut)."""
+        bs = self.shape.block_size
+        if n_tokens < self.nb_base * bs:
+            raise ValueError("cannot truncate into the read-only base segment")
+        full = n_tokens // bs
+        for layer in range(self.shape.n_layers):
+            self.lengths[layer] = min(self.lengths[layer], n_tokens)
+            self.n_anchored[layer] = min(self.n_anchored[layer], full)
+
+    # --- reading -----------------------------------------------------------------------------
+    def token_range(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of tokens [start, end) as float32 tensors `[Hkv, end - start, d]` (copies)."""
+        H, d = self.shape.n_kv_heads, self.shape.head_dim
+        split = self.nb_base * self.shape.block_size
+        parts_k, parts_v = [], []
+        if start < split:
+            e = min(end, split)
+            parts_k.append(self.k_base[layer].reshape(H, -1, d)[:, start:e])
+            parts_v.append(self.v_base[layer].reshape(H, -1, d)[:, start:e])
+        if end > split:
+            s = max(start, split) - split
+            parts_k.append(self.k_tail[layer].reshape(H, -1, d)[:, s:end - split])
+            parts_v.append(self.v_tail[layer].reshape(H, -1, d)[:, s:end - split])
+        kt = [from_storage(p, self.shape.kv_type) for p in parts_k]
+        vt = [from_storage(p, self.shape.kv_type) for p in parts_v]
+        if len(kt) == 1:
+            return kt[0], vt[0]
+        return torch.cat(kt, dim=1), torch.cat(vt, dim=1)
+
+    def kernel_args(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """(k_base, v_base, k_tail, v_tail, nb_base) for `ktlong.kernels`."""
+        return self.k_base[layer], self.v_base[layer], self.k_tail[layer], self.v_tail[layer], self.nb_base

@@ -1,0 +1,81 @@
+"""Terminal output of the one-shot commands (memcheck, inspect config): rich tables or JSON.
+
+Consoles are made per call so `NO_COLOR` (honoured by rich) and test redirections are always seen.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ktlong import memory
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr); colour off when NO_COLOR is set or not a terminal."""
+    return Console(file=sys.stderr if stderr else sys.stdout, highlight=False, soft_wrap=False)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _yes(flag: bool | None) -> str:
+    return "-" if flag is None else ("[green]yes[/]" if flag else "[red]no[/]")
+
+
+def memcheck(r: dict[str, Any], configured: int, written: str | None) -> None:
+    """The memcheck table: KV size per length, what fits, the recommended max_seq_len."""
+    out = console()
+    gpu = r["free_gpu_bytes"]
+    src = ("[yellow]no --model given: using a " + escape(r["model"]) + "[/]" if r["reference"]
+           else f"model {escape(r['model'])} ({r['arch']})")
+    out.print(src)
+    out.print(f"{r['n_layers']} layers x {r['n_kv_heads']} KV heads x head_dim {r['head_dim']}, "
+              f"{r['kv_type']} KV: [bold]{r['kv_bytes_per_token']:,} bytes per token[/] "
+              f"({memory.gb(r['kv_bytes_per_token'] * 131072)} per 128K tokens)")
+    out.print(f"weights {memory.gb(r['weights_bytes'])} (in {r['weights_on']}), free DRAM "
+              f"{memory.gb(r['free_dram_bytes'])}" + ("" if gpu is None else
+                                                     f", free GPU {memory.gb(gpu)}"))
+    table = Table("context", "tokens", "KV cache", "DRAM needed", "fits DRAM", "GPU prefill peak",
+                  "fits GPU")
+    for row in r["rows"]:
+        table.add_row(row["label"], f"{row['tokens']:,}", memory.gb(row["kv_bytes"]),
+                      memory.gb(row["dram_need"]), _yes(row["fits_dram"]),
+                      "-" if row["gpu_need"] is None else memory.gb(row["gpu_need"]),
+                      _yes(row["fits_gpu"]))
+    out.print(table)
+    rec = r["recommended_max_seq_len"]
+    out.print(f"DRAM needed = {r['headroom']}.")
+    if rec == 0:
+        out.print("[red]Not even 1K tokens fit next to the weights: free memory, or use a smaller "
+                  "model or kv_type.[/]")
+    else:
+        out.print(f"recommended max_seq_len: [bold]{rec:,}[/] (configured: {configured:,})")
+    if written:
+        out.print(f"wrote max_seq_len: {rec} to {escape(written)}")
+    elif rec and configured > rec:
+        out.print(f"[yellow]the configured max_seq_len {configured:,} does not fit; run "
+                  "`ktlong memcheck --write` (with your --model) to lower it[/]")
+
+
+def settings(resolved: Any, explain: bool, keys: list[str] | None = None) -> None:
+    """Effective settings with the source of each; `explain` adds allowed values and meaning."""
+    from ktlong.config import FIELDS
+
+    out = console()
+    table = Table("key", "value", "source", *(("allowed", "meaning") if explain else ()))
+    values = resolved.settings.to_dict()
+    for key in keys or FIELDS:
+        spec = FIELDS[key]
+        src = resolved.sources[key]
+        shown = "[dim]default[/]" if src == "default" else escape(src)
+        extra = (spec.allowed(), spec.description) if explain else ()
+        value = repr(values[key]) if isinstance(values[key], str) else str(values[key])
+        table.add_row(key, escape(value), shown, *map(escape, extra))
+    out.print(table)
+    out.print(f"config file: {escape(str(resolved.config_file))}")

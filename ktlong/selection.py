@@ -1,0 +1,172 @@
+"""The selection policy: which KV blocks each layer (and KV head) attends to at a decode step.
+
+Every step attends to the init blocks, the local window (whole blocks from
+`n_tokens - local_windows_len` on, the partial last block included) and up to
+`second_select_num` context blocks chosen by their anchors. Dense layers and short contexts read
+every block. Selections are reused between `token_step` tokens and within groups of
+`layer_step` layers (KTransformers' semantics); a reused selection also keeps the blocks that
+left the local window since it was made. With preselection, the prompt's last queries vote
+(SnapKV) and later selections draw only from the winners plus blocks completed afterwards.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ktlong import kernels
+from ktlong.config import Settings
+from ktlong.kvstore import KVStore
+from ktlong.model import ModelSpec
+
+
+class SelectionPolicy:
+    def __init__(self, settings: Settings, spec: ModelSpec, store: KVStore) -> None:
+        s = settings
+        self.s, self.store = s, store
+        self.bs = s.block_size
+        self.dense = s.attention == "DENSE"
+        self.n_init = s.init_len // self.bs
+        self.shared = s.head_select_mode == "SHARED"
+        self.n_kv = spec.n_kv_heads
+        self.scale = np.float32(spec.head_dim ** -0.5)
+        self._groups: dict[int, tuple[np.ndarray, int]] = {}  # group -> (selected [S, k], local0)
+        self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
+        self._preselect_upto = 0  # blocks complete when the vote was taken
+        self._dynamic_upto = [0] * spec.n_layers  # blocks with DYNAMIC (vote-based) anchors
+        self.reset_counters()
+
+    # --- budget ------------------------------------------------------------------------------
+    def budget_blocks(self) -> int:
+        """Blocks one step reads at most: init + selected + local window + the partial block."""
+        return self.n_init + self.s.second_select_num + self.s.local_windows_len // self.bs + 1
+
+    def sparse_for(self, n_tokens: int) -> bool:
+        """Whether a context of `n_tokens` is read sparsely (else every block is cheaper/equal)."""
+        return not self.dense and -(-n_tokens // self.bs) > self.budget_blocks()
+
+    # --- stats -------------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        self._read = self._total = 0
+
+    def attended_share(self) -> float:
+        return self._read / self._total if self._total else 1.0
+
+    # --- selection ---------------------------------------------------------------------------
+    def select(self, layer: int, q: np.ndarray, n_tokens: int) -> np.ndarray:
+        """q `[Hq, d]` f32 of the token at position n_tokens - 1 -> blocks `[S, n]` int32."""
+        nb = -(-n_tokens // self.bs)
+        if self.dense or layer < self.s.dense_layer_num or nb <= self.budget_blocks():
+            self._count(nb, nb)
+            return np.arange(nb, dtype=np.int32)[None]
+        local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs  # first local block
+        group = layer // self.s.layer_step
+        cached = self._groups.get(group)
+        if cached is None or (layer % self.s.layer_step == 0 and n_tokens % self.s.token_step == 0):
+            chosen = self._choose(layer, q, local0)  # [S, k], every block < local0
+            self._groups[group] = (chosen, local0)
+        else:
+            chosen, then = cached
+            local0 = min(local0, then)  # blocks that left the local window since stay attended
+        S = chosen.shape[0]
+        init = np.broadcast_to(np.arange(self.n_init, dtype=np.int32), (S, self.n_init))
+        local = np.broadcast_to(np.arange(local0, nb, dtype=np.int32), (S, nb - local0))
+        blocks = np.ascontiguousarray(np.concatenate([init, chosen, local], axis=1))  # [S, n]
+        self._count(blocks.shape[1], nb)
+        return blocks
+
+    def _count(self, read: int, total: int) -> None:
+        self._read += read
+        self._total += total
+
+    def _candidates(self, layer: int, local0: int) -> np.ndarray:
+        lo = self.n_init
+        if self.s.preselect_block and layer in self._preselected:
+            pre = self._preselected[layer]
+            late = np.arange(max(lo, self._preselect_upto), local0, dtype=np.int32)
+            return np.concatenate([pre[pre < local0], late]).astype(np.int32)
+        return np.arange(lo, local0, dtype=np.int32)
+
+    def _choose(self, layer: int, q: np.ndarray, local0: int) -> np.ndarray:
+        """Top-k candidate blocks by anchor score: `[S, k]` int32, each row ascending."""
+        cand = self._candidates(layer, local0)
+        S = 1 if self.shared else self.n_kv
+        k = self.s.second_select_num
+        if k == 0 or cand.size == 0:
+            return np.zeros((S, 0), np.int32)
+        if k >= cand.size:
+            return np.broadcast_to(cand, (S, cand.size)).copy()
+        self._ensure_anchors(layer, local0)
+        scores = kernels.score_blocks(q, self.store.anchors[layer], cand,
+                                      self.s.anchor_type == "QUEST", self.shared)
+        return kernels.topk_blocks(scores, cand, k)
+
+    # --- anchors -----------------------------------------------------------------------------
+    def _ensure_anchors(self, layer: int, upto: int) -> None:
+        """Anchors for full blocks [n_anchored, upto); DYNAMIC falls back to MEAN past the vote."""
+        first = self.store.n_anchored[layer]
+        if upto <= first:
+            return
+        kind = self.s.anchor_type if self.s.anchor_type != "DYNAMIC" else "MEAN"
+        self._anchors(layer, first, upto, kind, None)
+
+    def _anchors(self, layer: int, first: int, last: int, kind: str,
+                 token_scores: np.ndarray | None) -> None:
+        k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
+        kernels.compute_anchors(k_base, k_tail, nb_base, first, last, kind, self.s.anchor_num,
+                                self.store.anchors[layer], token_scores)
+        self.store.n_anchored[layer] = max(self.store.n_anchored[layer], last)
+
+    # --- prefill hooks -----------------------------------------------------------------------
+    def on_prefill_end(self, captured: dict[int, torch.Tensor], n_tokens: int) -> None:
+        """After a prefill: the last prompt queries `[Hq, W, d]` per layer vote over the context.
+
+        DYNAMIC anchors come from the vote of the first prefill (the document); preselection
+        is re-voted by every prefill (each question), since it must follow the question.
+        """
+        self._groups.clear()
+        if self.dense or not captured or not self.sparse_for(n_tokens):
+            return
+        dynamic = self.s.anchor_type == "DYNAMIC"
+        n_full = n_tokens // self.bs
+        for layer, qw in captured.items():
+            if layer < self.s.dense_layer_num:
+                continue
+            need_dyn = dynamic and self.store.n_anchored[layer] < n_full and \
+                self._dynamic_upto[layer] == 0
+            if not (need_dyn or self.s.preselect_block):
+                continue
+            k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
+            votes = kernels.query_votes(np.ascontiguousarray(qw.numpy()), k_base, k_tail, nb_base,
+                                        n_tokens, self.scale, self.store.kv_kind)  # [Hkv, n]
+            if need_dyn:
+                first = self.store.n_anchored[layer]
+                self._anchors(layer, first, n_full, "DYNAMIC", votes)
+                self._dynamic_upto[layer] = n_full
+            if self.s.preselect_block:
+                self._preselect(layer, votes, n_tokens)
+        if self.s.preselect_block:
+            self._preselect_upto = n_full
+
+    def _preselect(self, layer: int, votes: np.ndarray, n_tokens: int) -> None:
+        """SnapKV: pool the vote over neighbouring tokens, sum per block, keep the best blocks."""
+        w = self.s.preselect_pool
+        v = torch.from_numpy(votes.sum(0))[None, None]  # [1, 1, n]
+        if w > 1:
+            v = torch.nn.functional.avg_pool1d(v, w, stride=1, padding=w // 2,
+                                               count_include_pad=False)[..., :n_tokens]
+        v = v[0, 0].numpy()
+        n_full = n_tokens // self.bs
+        per_block = v[: n_full * self.bs].reshape(n_full, self.bs).sum(1)
+        local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs
+        cand = np.arange(self.n_init, local0, dtype=np.int32)
+        keep = min(self.s.preselect_block_count, cand.size)
+        best = cand[np.argsort(-per_block[cand], kind="stable")[:keep]]
+        self._preselected[layer] = np.sort(best).astype(np.int32)
+
+    def truncate(self, n_tokens: int) -> None:
+        self._groups.clear()
+        full = n_tokens // self.bs
+        self._dynamic_upto = [min(x, full) for x in self._dynamic_upto]
+        self._preselect_upto = min(self._preselect_upto, full)

@@ -1,0 +1,106 @@
+"""The engine against transformers' own forward and generate, on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ktlong.engine import Sampling, Session
+from ktlong.errors import KtlongError
+from ktlong.model import load_model
+from ktlong.tinymodel import filler_text
+
+from .models import ARCHS, gguf_model, hf_model, settings
+
+PROMPT_TOKENS = 2000
+
+
+def _prompt(tokenizer, n: int = PROMPT_TOKENS, seed: int = 0) -> list[int]:
+    ids = tokenizer(filler_text(n, seed=seed))["input_ids"]
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def _stock(path) -> torch.nn.Module:
+    if str(path).endswith(".gguf"):
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        cfg.head_dim = 16
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=cfg,
+                                                    attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dense_decode_equals_transformers_generate(arch, fmt, capsys):
+    path = hf_model(arch) if fmt == "hf" else gguf_model(arch)
+    lm = load_model(path, device="CPU", dtype="float32")
+    ids = _prompt(lm.tokenizer)
+    s = Session(lm, settings(attention="DENSE"))
+    logits = s.prefill(ids, all_logits=True)  # [n, vocab], chunked: 2000 tokens / 256
+    got = [st.token_id for st in s.generate(Sampling(max_new_tokens=32))]
+
+    stock = _stock(path)
+    with torch.no_grad():
+        ref_logits = stock(torch.tensor([ids])).logits[0]
+        ref = stock.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):]
+    diff = (logits - ref_logits).abs().max().item()
+    with capsys.disabled():
+        print(f"\n[{arch}/{fmt}] prefill logits max |diff| = {diff:.2e}")
+    assert diff < 1e-4
+    assert got == ref.tolist()
+    assert len(got) >= 1
+
+
+def test_second_turn_equals_fresh_prefill():
+    lm = load_model(hf_model("llama"), device="CPU", dtype="float32")
+    doc, turn = _prompt(lm.tokenizer, 1500, seed=1), _prompt(lm.tokenizer, 300, seed=2)
+    a = Session(lm, settings(attention="DENSE"))
+    a.prefill(doc)
+    first = [st.token_id for st in a.generate(Sampling(max_new_tokens=8))]
+    before = a.store.length
+    a.extend_to(doc + first + turn)  # only the answer's last token and the turn are new
+    assert a.store.length - before == 1 + len(turn)
+    second = [st.token_id for st in a.generate(Sampling(max_new_tokens=16))]
+
+    b = Session(lm, settings(attention="DENSE"))
+    b.prefill(doc + first + turn)
+    fresh = [st.token_id for st in b.generate(Sampling(max_new_tokens=16))]
+    assert second == fresh
+    assert len(a.tokens) == len(b.tokens)
+
+
+def test_prompt_longer_than_max_seq_len_is_refused_before_work():
+    lm = load_model(hf_model("llama"), device="CPU", dtype="float32")
+    s = Session(lm, settings(max_seq_len=1024))
+    with pytest.raises(KtlongError) as e:
+        s.prefill(_prompt(lm.tokenizer, 1500))
+    assert "1,500 tokens" in e.value.message and "memcheck" in e.value.hint
+    assert s.store.length == 0 and s.tokens == []
+
+
+def test_prefill_never_builds_a_full_context_attention_matrix():
+    """Track every tensor torch creates during a chunked prefill: none is [L, L]-sized."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Biggest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Biggest.numel = max(Biggest.numel, t.numel())
+            return out
+
+    lm = load_model(hf_model("llama"), device="CPU", dtype="float32")
+    n, chunk = 4096, 256
+    s = Session(lm, settings(attention="DENSE", chunk_size=chunk))
+    ids = _prompt(lm.tokenizer, n)
+    with Biggest():
+        s.prefill(ids)
+    hq = lm.spec.n_heads
+    assert Biggest.numel < hq * n * n // 8  # a full [Hq, L, L] score matrix would be 8x this
+    assert s.store.length == n
