@@ -104,9 +104,17 @@ def _attend(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, n_spli
         if ids.size:
             _item(q[j * g:(j + 1) * g], k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j,
                   acc[item], mx[item], den[item])
+    return _merge_parts(acc, mx, den, hq)
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
+def _merge_parts(acc, mx, den, hq):
+    """Merge item states acc [Hkv*n_split, g, d], mx/den [Hkv*n_split, g] into (out, lse)."""
+    g, d = acc.shape[1], acc.shape[2]
+    n_split = acc.shape[0] * g // hq
     out = np.zeros((hq, d), F32)
     lse = np.empty(hq, F32)
-    for h in range(hq):  # merge the parts of each head
+    for h in range(hq):
         j, hh = h // g, h % g
         big = NEG_INF
         for p in range(n_split):

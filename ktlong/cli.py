@@ -150,6 +150,57 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
         render.memcheck(report, res.settings.max_seq_len, written)
 
 
+# --- chat ---------------------------------------------------------------------------------------
+@app.command()
+def chat(model: ModelOpt = None,
+         prompt_file: Annotated[str | None, typer.Option(
+             "--prompt-file", "-f", metavar="FILE|-", show_default=False,
+             help="The document to ask about (UTF-8 text; - reads stdin).")] = None,
+         profile: ProfileOpt = None,
+         system: Annotated[str | None, typer.Option(
+             "--system", metavar="TEXT", show_default=False, help="System prompt.")] = None,
+         max_new_tokens: Annotated[int | None, typer.Option(
+             "--max-new-tokens", "-n", show_default=False, help="Most tokens per answer.")] = None,
+         temperature: Annotated[float | None, typer.Option(
+             show_default=False, help="Sampling temperature; 0 = greedy.")] = None,
+         top_p: Annotated[float | None, typer.Option(
+             show_default=False, help="Nucleus sampling mass in (0, 1].")] = None,
+         top_k: Annotated[int | None, typer.Option(
+             show_default=False, help="Sample among the k likeliest tokens; 0 = all.")] = None,
+         seed: Annotated[int | None, typer.Option(
+             show_default=False, help="Random seed; -1 = random.")] = None,
+         questions: Annotated[list[str] | None, typer.Option(
+             "--question", "-q", metavar="TEXT", show_default=False,
+             help="Answer this and exit (repeatable: answered in order, in one conversation).")]
+         = None,
+         as_json: Annotated[bool, typer.Option(
+             "--json", help="One JSON object per answer, one per line (for scripts).")] = False,
+         show_prompt_ids: Annotated[bool, typer.Option(
+             "--show-prompt-ids", help="Add prompt_ids (the exact ids fed) to --json.")] = False,
+         encoding: Annotated[str | None, typer.Option(
+             metavar="NAME", show_default=False,
+             help="Text encoding of the prompt file and /read files (default UTF-8).")] = None,
+         no_cache: Annotated[bool, typer.Option(
+             "--no-cache", help="Neither use nor write the prompt cache.")] = False,
+         cache_dir: Annotated[Path | None, typer.Option(
+             metavar="DIR", show_default=False, help="Prompt cache folder.")] = None,
+         sets: SetOpt = None, max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
+         device: DeviceOpt = None, threads: ThreadsOpt = None) -> None:
+    """Chat about a long document: read it once, then ask (type /help in the chat)."""
+    from ktlong import chat as chat_mod
+
+    res = resolve(profile, sets, max_new_tokens=max_new_tokens, temperature=temperature,
+                  top_p=top_p, top_k=top_k, seed=seed, max_seq_len=max_seq_len, kv_type=kv_type,
+                  device=device, threads_num=threads,
+                  cache_dir=str(cache_dir) if cache_dir else None)
+    cdir = Path(res.settings.cache_dir).expanduser() if res.settings.cache_dir else None
+    code = chat_mod.run(model, prompt_file, res.settings, system=system, questions=questions or [],
+                        as_json=as_json, show_prompt_ids=show_prompt_ids, encoding=encoding,
+                        use_cache=not no_cache, cache_dir=cdir)
+    if code:
+        raise typer.Exit(code)
+
+
 # --- inspect ------------------------------------------------------------------------------------
 @inspect_app.command("config")
 def inspect_config(keys: Annotated[list[str] | None, typer.Argument(
@@ -183,7 +234,61 @@ def inspect_config(keys: Annotated[list[str] | None, typer.Argument(
         render.settings(res, explain, keys)
 
 
+@inspect_app.command("model")
+def inspect_model(model: Annotated[Path, typer.Argument(
+                      metavar="DIR|FILE.gguf", show_default=False,
+                      help="A Hugging Face folder (config.json + *.safetensors) or a .gguf file.")],
+                  profile: ProfileOpt = None, kv_type: KvTypeOpt = None,
+                  as_json: JsonOpt = False) -> None:
+    """Architecture, heads, RoPE, weight types and KV bytes per token, from metadata only.
+
+    Reads config.json and the safetensors headers (or the GGUF header); never loads the weights.
+    """
+    from ktlong.inspect import show_model
+
+    show_model(model, resolve(profile, kv_type=kv_type).settings.kv_type, as_json)
+
+
+@inspect_app.command("attention")
+def inspect_attention(prompt_file: Annotated[Path, typer.Option(
+                          "--prompt-file", "-f", metavar="FILE", show_default=False,
+                          help="The document, a UTF-8 text file.")],
+                      question: Annotated[str, typer.Option(
+                          "--question", "-q", show_default=False, help="The question asked.")],
+                      model: ModelOpt = None, profile: ProfileOpt = None, sets: SetOpt = None,
+                      tokens: Annotated[int, typer.Option(
+                          "--tokens", "-n", min=1, help="Answer tokens to observe.")] = 8,
+                      png: Annotated[Path | None, typer.Option(
+                          "--png", metavar="FILE", show_default=False,
+                          help="Also write the map and a recall-by-layer plot "
+                               "(needs ktlong[plot]).")] = None,
+                      max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
+                      device: DeviceOpt = None, threads: ThreadsOpt = None,
+                      as_json: JsonOpt = False) -> None:
+    """How much of the exact attention the profile's block selection keeps, layer by layer.
+
+    Prefills the document, appends the question, and for the first answer tokens compares each
+    layer's selected blocks with exact attention: recall, overlap of consecutive selections, and
+    a map of the blocks read.
+    """
+    from ktlong.inspect import attention_main
+
+    res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
+                  threads_num=threads)
+    attention_main(model, prompt_file, question, res.settings, profile, tokens, as_json, png)
+
+
 # --- bench --------------------------------------------------------------------------------------
+def _lengths(contexts: str) -> list[int]:
+    try:
+        lengths = [parse_int(x) for x in contexts.split(",") if x.strip()]
+    except ValueError:
+        raise KtlongError(f"--contexts {contexts!r}: expected numbers like 16384,64K,1M") from None
+    if not lengths or min(lengths) <= 0:
+        raise KtlongError(f"--contexts {contexts!r}: give at least one positive length")
+    return lengths
+
+
 @bench_app.command("decode")
 def bench_decode(contexts: Annotated[str, typer.Option(
                      help="Context lengths, comma-separated (K and M suffixes allowed).")]
@@ -193,15 +298,23 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                      "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
                  as_json: JsonOpt = False) -> None:
     """Sparse decode-attention speed against context length (kernels only, no model)."""
-    try:
-        lengths = [parse_int(x) for x in contexts.split(",") if x.strip()]
-    except ValueError:
-        raise KtlongError(f"--contexts {contexts!r}: expected numbers like 16384,64K,1M") from None
-    if not lengths or min(lengths) <= 0:
-        raise KtlongError(f"--contexts {contexts!r}: give at least one positive length")
     from ktlong.bench import decode
 
-    decode.main(contexts=lengths, repeats=repeats, threads=threads, as_json=as_json)
+    decode.main(contexts=_lengths(contexts), repeats=repeats, threads=threads, as_json=as_json)
+
+
+@bench_app.command("prefill")
+def bench_prefill(contexts: Annotated[str, typer.Option(
+                      help="Context lengths, comma-separated (K and M suffixes allowed).")]
+                  = "8192,32768",
+                  model: ModelOpt = None,
+                  threads: Annotated[int, typer.Option(
+                      "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                  as_json: JsonOpt = False) -> None:
+    """Prefill tok/s and peak RSS: ktlong's chunked prefill against transformers' forward."""
+    from ktlong.bench import prefill
+
+    prefill.main(_lengths(contexts), threads, as_json, model)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -165,11 +166,13 @@ def coerce(key: str, value: Any, origin: str) -> Any:
             v = parse_int(value) if isinstance(value, str) else int(value)
         else:
             v = float(value)
+            if not math.isfinite(v):
+                raise ValueError
     except (ValueError, TypeError, OverflowError):
         raise bad from None
     if (spec.min is not None and v < spec.min) or (spec.max is not None and v > spec.max):
-        raise KtlongError(f"{origin}: {key} = {value} is out of range",
-                          hint=f"{key} must be {spec.allowed()}")
+        raise KtlongError(f"{origin}: {key} = {value} is out of range, must be {spec.allowed()}",
+                          hint=f"{key}: {spec.description}")
     return v
 
 
@@ -390,7 +393,7 @@ def ensure_config() -> Path:
         return path
     present = configfile.parse_mapping(configfile.read_text(path), str(path))
     missing = [k for k in FIELDS if k not in present]
-    if missing:
+    if missing and set(present) <= set(FIELDS):  # an unknown key may be a typo of a missing one
         from ktlong import __version__
 
         block = f"\n# -- added by ktlong {__version__} --\n"

@@ -35,7 +35,7 @@ class StoreShape:
     anchor_num: int
 
 
-def _to_storage(x: torch.Tensor, kv_type: str) -> np.ndarray:
+def to_storage(x: torch.Tensor, kv_type: str) -> np.ndarray:
     """[..., d] float tensor (any device) -> numpy array in the store's storage dtype."""
     _, tdtype, _ = KV_TYPES[kv_type]
     x = x.detach().to(device="cpu", dtype=tdtype).contiguous()
@@ -61,7 +61,7 @@ class KVStore:
 
     def __init__(self, shape: StoreShape, capacity: int,
                  base: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
-                 base_anchors: list[np.ndarray] | None = None) -> None:
+                 base_anchors: list[np.ndarray] | None = None, nb_base: int | None = None) -> None:
         if shape.kv_type not in KV_TYPES:
             raise KtlongError(f"kv_type {shape.kv_type} is not one of {', '.join(KV_TYPES)}")
         self.shape = shape
@@ -73,7 +73,9 @@ class KVStore:
             empty = np.zeros((H, 0, bs, d), dtype)
             base = ([empty] * L, [empty] * L)
         self.k_base, self.v_base = list(base[0]), list(base[1])
-        self.nb_base = self.k_base[0].shape[1]
+        # blocks of the base in use: the arrays may hold more (a mapped file's last block is
+        # copied to the tail instead, so the newest token stays writable)
+        self.nb_base = self.k_base[0].shape[1] if nb_base is None else nb_base
         if self.nb_base * bs > capacity:
             raise KtlongError(f"the cached context ({self.nb_base * bs} tokens) is longer than "
                               f"max_seq_len ({capacity})", hint="raise max_seq_len (ktlong memcheck)")
@@ -113,8 +115,8 @@ class KVStore:
                               f"{self.capacity}", hint="raise max_seq_len (ktlong memcheck) or /reset")
         off = start - self.nb_base * self.shape.block_size
         H, d = self.shape.n_kv_heads, self.shape.head_dim
-        self.k_tail[layer].reshape(H, -1, d)[:, off:off + n] = _to_storage(k, self.shape.kv_type)
-        self.v_tail[layer].reshape(H, -1, d)[:, off:off + n] = _to_storage(v, self.shape.kv_type)
+        self.k_tail[layer].reshape(H, -1, d)[:, off:off + n] = to_storage(k, self.shape.kv_type)
+        self.v_tail[layer].reshape(H, -1, d)[:, off:off + n] = to_storage(v, self.shape.kv_type)
         self.lengths[layer] = start + n
         return start
 

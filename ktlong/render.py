@@ -17,7 +17,7 @@ from ktlong import memory
 
 def console(stderr: bool = False) -> Console:
     """A rich console on stdout (or stderr); colour off when NO_COLOR is set or not a terminal."""
-    return Console(file=sys.stderr if stderr else sys.stdout, highlight=False, soft_wrap=False)
+    return Console(file=sys.stderr if stderr else sys.stdout, highlight=False)
 
 
 def print_json(data: Any) -> None:
@@ -31,6 +31,7 @@ def _yes(flag: bool | None) -> str:
 def memcheck(r: dict[str, Any], configured: int, written: str | None) -> None:
     """The memcheck table: KV size per length, what fits, the recommended max_seq_len."""
     out = console()
+    out.soft_wrap = True  # sentences and paths are not cut; tables still fit the width
     gpu = r["free_gpu_bytes"]
     src = ("[yellow]no --model given: using a " + escape(r["model"]) + "[/]" if r["reference"]
            else f"model {escape(r['model'])} ({r['arch']})")
@@ -39,18 +40,18 @@ def memcheck(r: dict[str, Any], configured: int, written: str | None) -> None:
               f"{r['kv_type']} KV: [bold]{r['kv_bytes_per_token']:,} bytes per token[/] "
               f"({memory.gb(r['kv_bytes_per_token'] * 131072)} per 128K tokens)")
     out.print(f"weights {memory.gb(r['weights_bytes'])} (in {r['weights_on']}), free DRAM "
-              f"{memory.gb(r['free_dram_bytes'])}" + ("" if gpu is None else
-                                                     f", free GPU {memory.gb(gpu)}"))
-    table = Table("context", "tokens", "KV cache", "DRAM needed", "fits DRAM", "GPU prefill peak",
-                  "fits GPU")
+              f"{memory.gb(r['free_dram_bytes'])}, "
+              + ("no CUDA GPU" if gpu is None else f"free GPU {memory.gb(gpu)}"))
+    table = Table("context", "tokens", "KV cache", "DRAM need", "fits",
+                  *(("GPU prefill peak", "fits GPU") if gpu is not None else ()))
     for row in r["rows"]:
-        table.add_row(row["label"], f"{row['tokens']:,}", memory.gb(row["kv_bytes"]),
-                      memory.gb(row["dram_need"]), _yes(row["fits_dram"]),
-                      "-" if row["gpu_need"] is None else memory.gb(row["gpu_need"]),
-                      _yes(row["fits_gpu"]))
+        label = row["label"].replace(" (model max)", "*").replace("model max", "model max*")
+        gpu_cells = () if gpu is None else (memory.gb(row["gpu_need"]), _yes(row["fits_gpu"]))
+        table.add_row(label, f"{row['tokens']:,}", memory.gb(row["kv_bytes"]),
+                      memory.gb(row["dram_need"]), _yes(row["fits_dram"]), *gpu_cells)
     out.print(table)
+    out.print(f"* the model's own maximum context. DRAM need = {r['headroom']}.")
     rec = r["recommended_max_seq_len"]
-    out.print(f"DRAM needed = {r['headroom']}.")
     if rec == 0:
         out.print("[red]Not even 1K tokens fit next to the weights: free memory, or use a smaller "
                   "model or kv_type.[/]")
@@ -68,12 +69,15 @@ def settings(resolved: Any, explain: bool, keys: list[str] | None = None) -> Non
     from ktlong.config import FIELDS
 
     out = console()
+    out.soft_wrap = True
     table = Table("key", "value", "source", *(("allowed", "meaning") if explain else ()))
     values = resolved.settings.to_dict()
     for key in keys or FIELDS:
         spec = FIELDS[key]
         src = resolved.sources[key]
-        shown = "[dim]default[/]" if src == "default" else escape(src)
+        shown = "[dim]default[/]" if src == "default" else escape(src.split(":")[0]
+                                                                 if src.startswith("config:")
+                                                                 else src)
         extra = (spec.allowed(), spec.description) if explain else ()
         value = repr(values[key]) if isinstance(values[key], str) else str(values[key])
         table.add_row(key, escape(value), shown, *map(escape, extra))

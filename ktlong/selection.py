@@ -111,11 +111,17 @@ class SelectionPolicy:
         kind = self.s.anchor_type if self.s.anchor_type != "DYNAMIC" else "MEAN"
         self._anchors(layer, first, upto, kind, None)
 
+    def complete_anchors(self) -> None:
+        """Anchors for every full block of every layer (before the store is saved)."""
+        for layer in range(self.store.shape.n_layers):
+            self._ensure_anchors(layer, self.store.length // self.bs)
+
     def _anchors(self, layer: int, first: int, last: int, kind: str,
                  token_scores: np.ndarray | None) -> None:
         k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
         kernels.compute_anchors(k_base, k_tail, nb_base, first, last, kind, self.s.anchor_num,
-                                self.store.anchors[layer], token_scores)
+                                self.store.anchors[layer], token_scores,
+                                kv_kind=self.store.kv_kind)
         self.store.n_anchored[layer] = max(self.store.n_anchored[layer], last)
 
     # --- prefill hooks -----------------------------------------------------------------------

@@ -12,8 +12,9 @@ import pytest
 def pytest_configure(config: pytest.Config) -> None:
     # Compiled Numba kernels are cached under KTLONG_HOME, which each test replaces: keep them in
     # pytest's cache folder instead so a test session does not recompile every kernel.
-    if "NUMBA_CACHE_DIR" not in os.environ and config.cache is not None:
-        os.environ["NUMBA_CACHE_DIR"] = str(config.cache.mkdir("numba"))
+    cache = getattr(config, "cache", None)  # None with -p no:cacheprovider
+    if "NUMBA_CACHE_DIR" not in os.environ and cache is not None:
+        os.environ["NUMBA_CACHE_DIR"] = str(cache.mkdir("numba"))
 
 
 @pytest.fixture(autouse=True)

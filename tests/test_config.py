@@ -68,6 +68,7 @@ def test_parse_int_suffixes() -> None:
     ("temperature", True, ["temperature", "float"]),
     ("top_p", 1.5, ["top_p", "out of range"]),
     ("anchor_num", 2.5, ["anchor_num", "int"]),
+    ("cache_max_gb", "nan", ["cache_max_gb", "float"]),
 ])
 def test_wrong_type_or_range(key: str, value: object, words: list[str]) -> None:
     with pytest.raises(KtlongError) as e:
@@ -116,12 +117,12 @@ def test_precedence_flag_env_profile_config_default(ktlong_home: Path,
     assert r.settings.block_size == 16 and r.sources["block_size"] == "profile:quest"
     assert r.settings.top_k == 7  # the profile does not touch it
 
-    monkeypatch.setenv("KTLONG_BLOCK_SIZE", "32")
+    monkeypatch.setenv("KTLONG_BLOCK_SIZE", "8")
     r = resolve_settings(profile="quest")
-    assert r.settings.block_size == 32 and r.sources["block_size"] == "env:KTLONG_BLOCK_SIZE"
+    assert r.settings.block_size == 8 and r.sources["block_size"] == "env:KTLONG_BLOCK_SIZE"
 
-    r = resolve_settings(profile="quest", overrides={"block-size": "8", "top_k": None})
-    assert r.settings.block_size == 8 and r.sources["block_size"] == "flag"
+    r = resolve_settings(profile="quest", overrides={"block-size": "4", "top_k": None})
+    assert r.settings.block_size == 4 and r.sources["block_size"] == "flag"
     assert r.sources["top_k"] == f"config:{path}"  # None means "flag not given"
     assert r.settings.anchor_type == "QUEST" and r.sources["anchor_type"] == "profile:quest"
 
@@ -149,6 +150,10 @@ def test_unknown_key_names_file_line_and_closest(ktlong_home: Path) -> None:
         resolve_settings()
     assert e.value.message == (f"{path}:3: unknown setting 'second_selct_num'; "
                                "did you mean 'second_select_num'?")
+    # nothing appended: the typo's correct key must not appear twice once the user fixes it
+    assert path.read_text() == "# mine\nblock_size: 64\nsecond_selct_num: 12\n"
+    path.write_text("block_size: 64\nsecond_select_num: 12\n")
+    assert resolve_settings().settings.second_select_num == 12
     with pytest.raises(KtlongError, match="flag: unknown setting 'kvtype'; did you mean 'kv_type'"):
         resolve_settings(overrides={"kvtype": "FP16"})
 

@@ -1,0 +1,306 @@
+"""`ktlong chat`: the chat loop (questions, slash commands, Ctrl-C) and the command's entry point.
+
+`ChatLoop` is driven by lines of text and draws nothing itself: it calls a UI object
+(`chatui.TerminalUI`, or a test's own). `ask(question)` yields the engine's Steps and keeps the
+conversation and the KV store in step; `answer(question)` drives `ask` through the UI and turns
+Ctrl-C into a stopped answer; `handle(line)` runs a slash command or answers; `repl(read)` reads
+lines until /exit, Ctrl-D (exit 0) or Ctrl-C at the prompt (130).
+
+Every turn renders the whole conversation and calls `Session.extend_to`, which prefills only what
+the store lacks (the new turn). Ctrl-C during an answer keeps the partial answer in the
+conversation: what the screen shows is what the model remembers (/reset drops it all).
+
+Slash commands live in `COMMANDS`; add one with the `@command` decorator on a ChatLoop method.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ktlong.config import Settings
+from ktlong.conversation import Conversation, Turn
+from ktlong.documents import Document, read_document
+from ktlong.errors import KtlongError
+
+PROGRESS_MIN_TOKENS = 2048  # a turn shorter than this prefills without a progress bar
+
+
+@dataclass
+class Answer:
+    """One answer and the numbers behind it (the --json object)."""
+
+    question: str
+    prompt_ids: list[int]  # the exact ids the model was fed before answering
+    prefilled_tokens: int  # ids computed for this answer (document + question on the first)
+    prefill_s: float
+    document_source: str  # "prefill" | "cache" | "none"
+    ids: list[int] = field(default_factory=list)  # generated, without the EOS token
+    text: str = ""
+    stop: str = "interrupted"  # eos | max_new_tokens | interrupted | context_full
+    stats: Any = None  # engine.Stats of the last step
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefilled_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def to_json(self, with_prompt_ids: bool = False) -> dict[str, Any]:
+        st = self.stats
+        out = {"question": self.question, "answer": self.text, "answer_ids": self.ids,
+               "stop": self.stop, "prompt_tokens": len(self.prompt_ids),
+               "prefilled_tokens": self.prefilled_tokens,
+               "prefill_tok_s": round(self.prefill_tok_s, 1),
+               "new_tokens": st.new_tokens if st else 0,
+               "decode_tok_s": round(st.decode_tok_s, 2) if st else 0.0,
+               "context_tokens": st.context_tokens if st else len(self.prompt_ids),
+               "kv_bytes": st.kv_bytes if st else 0,
+               "attended_share": round(st.attended_share, 4) if st else 1.0,
+               "document_source": self.document_source}
+        if with_prompt_ids:
+            out["prompt_ids"] = self.prompt_ids
+        return out
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    usage: str
+    help: str
+    run: Callable[[ChatLoop, str], bool | None]  # False ends the chat
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, usage: str, help: str) -> Callable[[Callable], Callable]:
+    """Register a ChatLoop method as the slash command `name` (e.g. "/save")."""
+
+    def register(fn: Callable) -> Callable:
+        COMMANDS[name] = Command(name, usage, help, fn)
+        return fn
+
+    return register
+
+
+class ChatLoop:
+    """A chat about one document: a Conversation, the Session holding its KV, and a UI."""
+
+    def __init__(self, lm: Any, settings: Settings, document: Document | None, ui: Any,
+                 system: str | None = None, encoding: str | None = None, use_cache: bool = True,
+                 cache_dir: Path | None = None) -> None:
+        from ktlong.engine import Sampling
+
+        self.lm, self.settings, self.document, self.ui = lm, settings, document, ui
+        self.encoding, self.use_cache, self.cache_dir = encoding, use_cache, cache_dir
+        self.conv = Conversation(lm.tokenizer, document.text if document else "", system)
+        self.sampling = Sampling.from_settings(settings)
+        self.session: Any = None
+        self.source = "none"
+        self.doc_len = 0  # tokens of the document prefix (template head + document)
+        self.last: Answer | None = None
+        self._carry = (0, 0.0)  # document prefill (tokens, seconds) not yet reported
+
+    # --- the document ------------------------------------------------------------------------
+    def open(self) -> None:
+        """Put the document prefix into a fresh session (prompt cache or prefill)."""
+        from ktlong.engine import Session
+        from ktlong.promptcache import Opened, open_document
+
+        self.session = None
+        gc.collect()  # a previous session's KV store goes before the new one is made
+        ids = self.conv.document_ids()
+        with self.ui.progress("reading the document") as progress:
+            if ids:
+                opened = open_document(self.lm, self.settings, ids, progress, self.use_cache,
+                                       self.cache_dir)
+            else:  # no document and a template with no head: nothing to prefill yet
+                opened = Opened(Session(self.lm, self.settings), "none")
+        self.session, self.source, self.doc_len = opened.session, opened.source, len(ids)
+        st = opened.session.stats
+        self._carry = (st.prompt_tokens, st.prefill_s)
+        self.ui.document(self, opened)
+
+    # --- answering ---------------------------------------------------------------------------
+    def ask(self, question: str) -> Iterator[Any]:
+        """Append `question` to the conversation and yield the answer's Steps.
+
+        Closing the iterator early (Ctrl-C) keeps the partial answer; the store is cut back to
+        the last token a forward pass completed, so it always matches `session.tokens`.
+        """
+        self.last = None
+        if self.session is None:
+            self.open()
+        s = self.session
+        text = self.conv.question_text(question)
+        ids = self.conv.prompt_ids(text)
+        try:
+            with self.ui.progress("reading", PROGRESS_MIN_TOKENS) as progress:
+                s.extend_to(ids, progress)
+        except BaseException:  # Ctrl-C or too long: the question is dropped, the store kept whole
+            s.truncate(len(s.tokens))
+            raise
+        done, secs = self._carry
+        self._carry = (0, 0.0)
+        turn = Turn(text)
+        self.conv.turns.append(turn)
+        self.conv.attachments.clear()
+        ans = self.last = Answer(question, ids, done + s.stats.prompt_tokens,
+                                 secs + s.stats.prefill_s, self.source, ids=turn.answer_ids,
+                                 stats=dataclasses.replace(s.stats))
+        try:
+            for step in s.generate(self.sampling):
+                ans.stats = step.stats
+                if step.token_id in self.lm.eos_ids:
+                    ans.stop = "eos"
+                else:
+                    turn.answer_ids.append(step.token_id)
+                    turn.answer += step.text
+                yield step
+            if ans.stop != "eos":
+                ans.stop = "max_new_tokens"
+        except KtlongError:  # the store is full (max_seq_len) mid-answer
+            ans.stop = "context_full"
+        finally:
+            ans.text = turn.answer
+            ans.stats = dataclasses.replace(ans.stats)
+            if ans.stop in ("interrupted", "context_full"):
+                s.truncate(len(s.tokens))  # a forward cut short may have written some layers
+
+    def answer(self, question: str) -> Answer | None:
+        """Ask and render; Ctrl-C stops the answer (None if it stopped before the first token)."""
+        steps = self.ask(question)
+        try:
+            for step in steps:
+                self.ui.token(step)
+        except KeyboardInterrupt:
+            steps.close()
+        if self.last is None:
+            self.ui.note("stopped before the answer began; the question was dropped")
+            return None
+        self.ui.answer_end(self, self.last)
+        return self.last
+
+    # --- input -------------------------------------------------------------------------------
+    def handle(self, line: str) -> bool:
+        """Run one line of input: a slash command or a question. False ends the chat.
+
+        A line starting with "//" is sent as a question that starts with "/".
+        """
+        text = line.strip()
+        if not text:
+            return True
+        try:
+            if text.startswith("/") and not text.startswith("//"):
+                name, _, arg = text.partition(" ")
+                cmd = COMMANDS.get(name.lower())
+                if cmd is None:
+                    raise KtlongError(f"unknown command {name}; known: "
+                                      + " ".join(sorted(COMMANDS)))
+                return cmd.run(self, arg.strip()) is not False
+            self.answer(text[1:] if text.startswith("//") else text)
+        except KtlongError as e:
+            self.ui.error(e)
+        except KeyboardInterrupt:
+            self.ui.note("stopped")
+        return True
+
+    def repl(self, read: Callable[[], str]) -> int:
+        """Read and handle lines until the end: 0 for /exit or Ctrl-D, 130 for Ctrl-C."""
+        while True:
+            try:
+                line = read()
+            except EOFError:
+                return 0
+            except KeyboardInterrupt:
+                return 130
+            try:
+                if not self.handle(line):
+                    return 0
+            except KeyboardInterrupt:  # a second Ctrl-C while the first was being handled
+                return 130
+
+    # --- slash commands ----------------------------------------------------------------------
+    @command("/help", "", "this list")
+    def _help(self, arg: str) -> None:
+        self.ui.help(COMMANDS)
+
+    @command("/reset", "", "forget the questions and answers; keep the document (no re-read)")
+    def _reset(self, arg: str) -> None:
+        self.conv.turns.clear()
+        self.conv.attachments.clear()
+        if self.session is not None and len(self.session.tokens) > self.doc_len:
+            self.session.truncate(self.doc_len)
+        self.ui.note(f"back to the document alone ({self.doc_len:,} tokens), nothing re-read")
+
+    @command("/read", "FILE", "attach a text file; it goes before your next question")
+    def _read(self, arg: str) -> None:
+        if not arg:
+            raise KtlongError("/read needs a file: /read FILE")
+        doc = read_document(arg.strip("'\""), self.encoding, what="file")
+        n = self.conv.count_tokens(doc.text)
+        if self.session is not None:
+            self.session.check_fits(n)
+        self.conv.attachments.append(doc.text)
+        self.ui.note(f"attached {doc.name} ({n:,} tokens); it goes before your next question")
+
+    @command("/stats", "", "context size, KV memory, speed of the last answer")
+    def _stats(self, arg: str) -> None:
+        self.ui.stats(self)
+
+    @command("/system", "[TEXT|-]", "show, set or (with -) clear the system prompt; setting "
+             "it starts over and reads the document again")
+    def _system(self, arg: str) -> None:
+        if not arg:
+            self.ui.note(f"system prompt: {self.conv.system or '(none)'}")
+            return
+        self.conv.system = None if arg == "-" else arg
+        self.conv.turns.clear()
+        self.conv.attachments.clear()
+        self.session = None  # the system prompt precedes the document in every template
+        self.open()
+
+    @command("/exit", "", "leave (or Ctrl-D)")
+    def _exit(self, arg: str) -> bool:
+        return False
+
+
+def run(model: Path | None, prompt_file: str | None, settings: Settings, *,
+        system: str | None = None, questions: Sequence[str] = (), as_json: bool = False,
+        show_prompt_ids: bool = False, encoding: str | None = None, use_cache: bool = True,
+        cache_dir: Path | None = None) -> int:
+    """`ktlong chat`: check the inputs, load, read the document, then answer; returns the exit code.
+
+    With `questions`, answers them in order and returns; otherwise chats on the terminal (or
+    reads one question per line from a piped stdin).
+    """
+    from ktlong import chatui
+    from ktlong.model import load_model, read_spec
+
+    if model is None:
+        raise KtlongError("no model given", hint="pass --model with a Hugging Face folder or a "
+                                                 ".gguf file")
+    read_spec(model)  # missing, not a model, unsupported: before anything slow
+    if any(not q.strip() for q in questions):
+        raise KtlongError("--question is empty", hint="give the question text after --question")
+    doc = read_document(prompt_file, encoding) if prompt_file else None
+    read = None if questions else chatui.input_reader(stdin_taken=prompt_file == "-")
+    ui = chatui.TerminalUI(as_json=as_json, show_prompt_ids=show_prompt_ids)
+    try:
+        with ui.loading(model):
+            lm = load_model(model, settings.device)
+        loop = ChatLoop(lm, settings, doc, ui, system, encoding, use_cache, cache_dir)
+        loop.open()
+        if not questions:
+            ui.banner(loop)
+            return loop.repl(read)
+        for q in questions:
+            answer = loop.answer(q)
+            if answer is None or answer.stop == "interrupted":
+                return 130
+        return 0
+    except KeyboardInterrupt:
+        ui.note("interrupted")
+        return 130

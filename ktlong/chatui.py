@@ -1,0 +1,247 @@
+"""What `ktlong chat` draws: rich output (progress, streamed answers, stats) and the prompt.
+
+Answers (or, with --json, one JSON object per answer per line) go to stdout; progress bars, notes,
+errors and the dim stats line go to stderr, so `ktlong chat --question ... > answer.txt` keeps
+only answers. Consoles honour NO_COLOR and drop colour when not on a terminal.
+
+Input: prompt-toolkit with a history file in the ktlong home. Enter sends; Esc then Enter, or a
+trailing backslash, starts a new line; pasted text keeps its newlines. Ctrl-C clears a line being
+typed, and on an empty prompt ends the chat (exit 130); Ctrl-D on an empty prompt ends it (0).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from ktlong.errors import KtlongError
+
+STOPS = {"max_new_tokens": "stopped at max_new_tokens", "interrupted": "stopped by Ctrl-C; "
+         "the partial answer stays in the conversation", "context_full": "stopped: the context "
+         "is full (max_seq_len); /reset or raise max_seq_len"}
+KEYS = ("Enter sends · Esc Enter or a trailing \\ for a new line · Ctrl-C stops an answer · "
+        "Ctrl-D or /exit leaves")
+
+
+def size(n: float) -> str:
+    """Bytes in decimal units: 1536 -> '1.5 KB'."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return ""
+
+
+class _TokRate(ProgressColumn):
+    def render(self, task: Any) -> Text:
+        return Text(f"{task.speed:,.0f} tok/s" if task.speed else "- tok/s", style="cyan")
+
+
+class TerminalUI:
+    """The chat's output. `as_json` prints JSON lines instead of streamed text and stats."""
+
+    def __init__(self, as_json: bool = False, show_prompt_ids: bool = False,
+                 out: Console | None = None, err: Console | None = None) -> None:
+        self.json, self.show_prompt_ids = as_json, show_prompt_ids
+        self.out = out or Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self.err = err or Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        self._col = 0  # characters written on the current answer line
+
+    # --- loading and prefill -----------------------------------------------------------------
+    @contextmanager
+    def loading(self, path: Path) -> Iterator[None]:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own spinner instead of the weight loader's bar
+        hf_logging.set_verbosity_error()
+        with self.err.status(f"loading {escape(str(path))}"):
+            yield
+
+    @contextmanager
+    def progress(self, label: str, min_tokens: int = 0) -> Iterator[Callable[[int, int], None]]:
+        """A progress callback (done, total) that shows a bar once `total >= min_tokens`."""
+        bar: list[Any] = []
+
+        def update(done: int, total: int) -> None:
+            if not bar:
+                p = None
+                if total >= min_tokens:
+                    p = Progress(TextColumn("{task.description}"), BarColumn(bar_width=24),
+                                 TextColumn("{task.completed:,}/{task.total:,} tokens"),
+                                 _TokRate(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=self.err)
+                    p.start()
+                    p.add_task(label, total=total)
+                bar.append(p)
+            if bar[0] is not None:
+                bar[0].update(bar[0].task_ids[0], completed=done)
+
+        try:
+            yield update
+        finally:
+            if bar and bar[0] is not None:
+                bar[0].stop()
+
+    def document(self, loop: Any, opened: Any) -> None:
+        n, st = loop.doc_len, opened.session.stats
+        name = loop.document.name if loop.document else "no document"
+        how = ("from the prompt cache" if opened.source == "cache" else
+               f"read in {st.prefill_s:.1f} s ({st.prefill_tok_s:,.0f} tok/s)" if n else "")
+        self.err.print(f"[bold]{escape(name)}[/]: {n:,} tokens {how}")
+        if opened.note:
+            self.err.print(f"[yellow]{escape(opened.note)}[/]")
+
+    def banner(self, loop: Any) -> None:
+        spec = loop.lm.spec
+        self.err.print(f"[bold]ktlong chat[/] · {escape(Path(spec.path).name)} ({spec.arch}, "
+                       f"{spec.n_layers} layers) · {loop.settings.attention.lower()} attention · "
+                       f"max_seq_len {loop.settings.max_seq_len:,}")
+        if loop.conv.plain:
+            self.err.print("[yellow]the model has no chat template: using a plain "
+                           "'User: … / Assistant:' format[/]")
+        self.err.print(f"[dim]{KEYS} · /help for commands[/]")
+
+    # --- answers -----------------------------------------------------------------------------
+    def token(self, step: Any) -> None:
+        if self.json or not step.text:
+            return
+        self.out.file.write(step.text)
+        self.out.file.flush()
+        self._col = 0 if step.text.endswith("\n") else self._col + len(step.text)
+
+    def answer_end(self, loop: Any, answer: Any) -> None:
+        if self.json:
+            self.out.file.write(json.dumps(answer.to_json(self.show_prompt_ids)) + "\n")
+            self.out.file.flush()
+            return
+        if self._col:
+            self.out.file.write("\n")
+            self.out.file.flush()
+        self._col = 0
+        self.err.print(f"[dim]{escape(stats_line(answer, loop.session.store.capacity))}[/]")
+
+    # --- messages ----------------------------------------------------------------------------
+    def note(self, text: str) -> None:
+        if self._col:
+            self.out.file.write("\n")
+            self._col = 0
+        self.err.print(f"[dim]{escape(text)}[/]")
+
+    def error(self, e: KtlongError) -> None:
+        self.err.print(f"[red]error:[/] {escape(e.message)}"
+                       + (f" [dim]({escape(e.hint)})[/]" if e.hint else ""))
+
+    def help(self, commands: dict[str, Any]) -> None:
+        for c in commands.values():
+            self.out.print(f"  [bold]{c.name}[/] {escape(c.usage):<9} {escape(c.help)}")
+        self.out.print(f"[dim]{KEYS}. Ctrl-C on an empty prompt also leaves. A line starting "
+                       "with // sends a question that starts with /.[/]")
+
+    def stats(self, loop: Any) -> None:
+        s, st = loop.session, loop.settings
+        used = len(s.tokens) if s else 0
+        kv = s.store.nbytes_used() if s else 0
+        doc = loop.document.name if loop.document else "no document"
+        self.out.print(f"document  {escape(doc)}: {loop.doc_len:,} tokens ({loop.source})")
+        self.out.print(f"context   {used:,} of {st.max_seq_len:,} tokens, {len(loop.conv.turns)} "
+                       f"turns, KV {size(kv)} ({st.kv_type})")
+        self.out.print(f"attention {st.attention}, block_size {st.block_size}, "
+                       f"{st.second_select_num} selected blocks; sampling: temperature "
+                       f"{st.temperature}, top_p {st.top_p}, top_k {st.top_k}, max_new_tokens "
+                       f"{st.max_new_tokens}")
+        if loop.last is not None:
+            self.out.print("last      " + escape(stats_line(loop.last, st.max_seq_len)))
+
+
+def stats_line(a: Any, capacity: int) -> str:
+    """The dim line after an answer: speeds, sizes, share of blocks attended, why it stopped."""
+    st = a.stats
+    parts = [f"{st.new_tokens} tokens at {st.decode_tok_s:.1f} tok/s",
+             f"prompt {len(a.prompt_ids):,} tokens ({a.prefilled_tokens:,} new at "
+             f"{a.prefill_tok_s:,.0f} tok/s)",
+             f"context {st.context_tokens:,}/{capacity:,}", f"KV {size(st.kv_bytes)}",
+             f"{st.attended_share:.0%} of blocks attended"]
+    if a.stop in STOPS:
+        parts.append(STOPS[a.stop])
+    return " · ".join(parts)
+
+
+def input_reader(stdin_taken: bool = False) -> Callable[[], str]:
+    """A function returning the next line of input (EOFError at the end).
+
+    A terminal gets prompt-toolkit (even when stdin carried the document: it reads the tty);
+    a piped stdin gives one question per line (a trailing backslash joins lines).
+    """
+    if sys.stdin.isatty() or (stdin_taken and (sys.stdout.isatty() or sys.stderr.isatty())):
+        return _prompt_reader()
+    if stdin_taken:
+        raise KtlongError("the document came from stdin, and there is no terminal to ask on",
+                          hint="pass the questions with --question Q (repeatable)")
+
+    def read_lines() -> str:
+        lines = []
+        while True:
+            line = sys.stdin.readline()
+            if not line:
+                if lines:
+                    break
+                raise EOFError
+            line = line.rstrip("\n")
+            if not line.endswith("\\"):
+                lines.append(line)
+                break
+            lines.append(line[:-1])
+        return "\n".join(lines)
+
+    return read_lines
+
+
+def _prompt_reader() -> Callable[[], str]:
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.formatted_text import HTML
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.input.defaults import create_input
+    from prompt_toolkit.key_binding import KeyBindings
+
+    from ktlong.config import ktlong_home
+
+    kb = KeyBindings()
+
+    @kb.add("enter")
+    def _enter(event: Any) -> None:
+        buf = event.current_buffer
+        before = buf.document.text_before_cursor
+        if before.endswith("\\") and not buf.document.text_after_cursor.strip():
+            buf.delete_before_cursor(1)
+            buf.insert_text("\n")
+        else:
+            buf.validate_and_handle()
+
+    @kb.add("escape", "enter")
+    def _newline(event: Any) -> None:
+        event.current_buffer.insert_text("\n")
+
+    @kb.add("c-c")
+    def _interrupt(event: Any) -> None:
+        if event.current_buffer.text:
+            event.current_buffer.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
+
+    home = ktlong_home()
+    home.mkdir(parents=True, exist_ok=True)
+    session: PromptSession[str] = PromptSession(
+        history=FileHistory(str(home / "chat_history")), key_bindings=kb, multiline=True,
+        input=create_input(always_prefer_tty=True), prompt_continuation="... ",
+        enable_open_in_editor=False)
+    prompt = HTML("<b><ansicyan>&gt;&gt;&gt;</ansicyan></b> ")
+
+    return lambda: session.prompt(prompt)

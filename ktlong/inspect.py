@@ -1,0 +1,340 @@
+"""`ktlong inspect model` and `ktlong inspect attention`: what a model is, what the selection reads.
+
+`model_info` reads metadata only (`ktlong.model.read_spec`). `observe_attention` opens a document
+the way the chat does, decodes a few answer tokens while recording every layer's block selection,
+and hands the records to `ktlong.attnmap` for the numbers. The rest of this module renders: rich
+in the terminal, JSON for scripts, and a PNG through matplotlib (the optional `ktlong[plot]`).
+"""
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from ktlong import render
+from ktlong.attnmap import INIT, LOCAL, AttentionReport, SelectionRecorder, StepRecord, analyse
+from ktlong.config import Settings
+from ktlong.errors import KtlongError
+
+# --- inspect model ------------------------------------------------------------------------------
+
+def model_info(path: str | Path, kv_type: str) -> dict[str, Any]:
+    """Everything `inspect model` shows, from metadata alone (config.json + safetensors headers,
+    or GGUF key/values and tensor infos)."""
+    from ktlong.memory import kv_bytes_per_token
+    from ktlong.model import read_spec
+
+    spec = read_spec(path)
+    scaling = spec.rope_scaling or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    return {
+        "path": spec.path, "format": spec.format, "arch": spec.arch,
+        "n_params": spec.n_params, "n_layers": spec.n_layers, "n_heads": spec.n_heads,
+        "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size, "max_positions": spec.max_positions,
+        "rope": {"type": rope_type, "theta": spec.rope_theta, "scaling": spec.rope_scaling},
+        "weight_types": spec.weight_types, "weights_bytes": spec.weights_bytes,
+        "has_chat_template": spec.has_chat_template,
+        "kv_type": kv_type, "kv_bytes_per_token": kv_bytes_per_token(spec, kv_type),
+        "fingerprint": spec.fingerprint,
+    }
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def show_model(path: Path, kv_type: str, as_json: bool) -> None:
+    info = model_info(path, kv_type)
+    if as_json:
+        render.print_json(info)
+        return
+    from ktlong.memory import gb
+
+    rope = info["rope"]
+    scaling = ", ".join(f"{k} {v}" for k, v in (rope["scaling"] or {}).items()
+                        if k not in ("rope_type", "type", "rope_theta"))
+    g = info["n_heads"] // max(info["n_kv_heads"], 1)
+    rows = [
+        ("model", f"{info['path']} ({'GGUF' if info['format'] == 'gguf' else 'Hugging Face'})"),
+        ("architecture", info["arch"]),
+        ("parameters", f"{_count(info['n_params'])} ({info['n_params']:,})"),
+        ("layers", str(info["n_layers"])),
+        ("heads", f"{info['n_heads']} query, {info['n_kv_heads']} KV"
+                  + (f" (GQA, {g} per KV head)" if g > 1 else "")),
+        ("head_dim", str(info["head_dim"])),
+        ("hidden / MLP", f"{info['hidden_size']} / {info['intermediate_size']}"),
+        ("vocabulary", f"{info['vocab_size']:,}"),
+        ("RoPE", f"{rope['type']}, base {rope['theta']:g}" + (f", {scaling}" if scaling else "")),
+        ("max positions", f"{info['max_positions']:,}"),
+        ("weights", f"{gb(info['weights_bytes'])}: " + ", ".join(
+            f"{n} x {t}" for t, n in sorted(info["weight_types"].items(), key=lambda x: -x[1]))),
+        ("chat template", "yes" if info["has_chat_template"] else "[red]no[/] (plain prompts)"),
+        ("KV per token", f"{info['kv_bytes_per_token']:,} bytes ({info['kv_type']}); "
+                         f"{gb(info['kv_bytes_per_token'] * 131072)} per 128K tokens"),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value if key in ("chat template",) else escape(value))
+    out = render.console()
+    out.soft_wrap = True
+    out.print(table)
+
+
+# --- inspect attention: run -----------------------------------------------------------------------
+
+def chat_prompt(tokenizer: Any, document: str, question: str) -> tuple[list[int], int]:
+    """The ids the chat feeds before its first answer (`ktlong.conversation`: template head,
+    document, blank line, question, generation prompt) and how many leading ids are the
+    document's own prefix, the part the prompt cache shares with `ktlong chat`."""
+    from ktlong.conversation import Conversation
+
+    conv = Conversation(tokenizer, document)
+    doc_ids, ids = conv.document_ids(), conv.prompt_ids(question)
+    assert ids[:len(doc_ids)] == doc_ids, "the conversation's document prefix is not a prefix"
+    return ids, len(doc_ids)
+
+
+@dataclass
+class Observed:
+    """A session after the observed answer tokens, with what each decode step selected."""
+
+    session: Any
+    records: list[StepRecord]
+    ids: list[int]  # the prompt: document + question in the chat template
+    n_doc: int  # leading ids that are the document's own prefix
+    answer: list[int]
+    source: str  # "prefill" or "cache"
+
+
+def record_decode(lm: Any, settings: Settings, document: str, question: str,
+                  n_answer: int = 8, progress: Any = None) -> Observed:
+    """Open the document as the chat does, append the question, decode `n_answer` tokens
+    (greedy) and record every layer's `policy.select` call at each of those steps."""
+    from ktlong.engine import Sampling
+    from ktlong.promptcache import open_document
+
+    if not document.strip():
+        raise KtlongError("the prompt file is empty")
+    ids, n_doc = chat_prompt(lm.tokenizer, document, question)
+    opened = open_document(lm, settings, ids[:n_doc] or ids[:1], progress)  # cached like chat
+    session = opened.session
+    session.extend_to(ids)
+    # generate feeds every token it yields but the last: n_answer + 1 tokens = n_answer steps
+    sampling = Sampling(max_new_tokens=n_answer + 1, temperature=0.0)
+    with SelectionRecorder(session.policy) as rec:
+        answer = [step.token_id for step in session.generate(sampling)]
+    if not rec.records:
+        raise KtlongError("the model ended its answer at once: no decode step to observe",
+                          hint="ask a question that needs an answer, or try --tokens")
+    return Observed(session, rec.records, ids, n_doc, answer, opened.source)
+
+
+def observe_attention(lm: Any, settings: Settings, document: str, question: str,
+                      n_answer: int = 8, progress: Any = None) -> AttentionReport:
+    """`record_decode`, then recall, overlap and the block map of the recorded steps."""
+    obs = record_decode(lm, settings, document, question, n_answer, progress)
+    attn = lm.model.model.layers[0].self_attn
+    scale = float(getattr(attn, "scaling", lm.spec.head_dim ** -0.5))
+    report = analyse(obs.records, obs.session.store, settings, scale, obs.n_doc)
+    report.info = {
+        "model": lm.spec.path, "arch": lm.spec.arch, "document_tokens": obs.n_doc,
+        "prompt_tokens": len(obs.ids), "source": obs.source,
+        "answer": lm.tokenizer.decode(obs.answer, skip_special_tokens=True),
+        "settings": {k: getattr(settings, k) for k in (
+            "attention", "kv_type", "block_size", "init_len", "local_windows_len",
+            "second_select_num", "anchor_type", "anchor_num", "head_select_mode",
+            "dense_layer_num", "token_step", "layer_step", "preselect_block",
+            "preselect_block_count")},
+    }
+    return report
+
+
+def attention_main(model: Path | None, prompt_file: Path, question: str, settings: Settings,
+                   profile: str | None, n_answer: int, as_json: bool, png: Path | None) -> None:
+    """The `inspect attention` command after the CLI resolved its settings."""
+    if model is None:
+        raise KtlongError("inspect attention needs a model", hint="pass --model DIR|FILE.gguf")
+    if png is not None:
+        _need_matplotlib()
+    from ktlong.documents import read_document
+    from ktlong.model import load_model
+
+    document = read_document(prompt_file).text  # the chat's checks: missing, binary, encoding
+
+    lm = load_model(model, settings.device)
+    with _prefill_progress(quiet=as_json) as progress:
+        report = observe_attention(lm, settings, document, question, n_answer, progress)
+    report.info["profile"] = profile or "(config)"
+    if png is not None:
+        write_png(report, png)
+        report.info["png"] = str(png)
+    if as_json:
+        render.print_json(report.to_dict())
+    else:
+        show_attention(report)
+
+
+class _prefill_progress:
+    """A transient rich progress bar on stderr for the document's prefill."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __enter__(self) -> Any:
+        if self.quiet:
+            return None
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeRemainingColumn
+
+        self.bar = Progress("prefill", BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                            console=render.console(stderr=True), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("prefill", total=None)
+        return lambda done, total: self.bar.update(self.task, completed=done, total=total)
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.quiet:
+            self.bar.stop()
+
+
+# --- inspect attention: terminal ----------------------------------------------------------------
+
+SHADES = "░▒▓█"  # selected: share of steps reading the block, in quarters
+MARK_INIT, MARK_LOCAL, MARK_UNREAD = "I", "L", "·"
+
+
+def map_rows(report: AttentionReport, width: int) -> list[Text]:
+    """One rich Text per layer: context blocks bucketed into at most `width` columns. A column
+    with an init block shows I, one in the local window L, else the most-read block's shade."""
+    m = report.map
+    cols = max(1, min(width, m.n_blocks))
+    edges = [c * m.n_blocks // cols for c in range(cols + 1)]
+    rows = []
+    for layer in range(m.share.shape[0]):
+        line = Text()
+        for c in range(cols):
+            a, b = edges[c], max(edges[c + 1], edges[c] + 1)
+            kinds, share = m.kind[a:b], float(m.share[layer, a:b].max())
+            if (kinds == INIT).any():
+                line.append(MARK_INIT, "bold magenta")
+            elif (kinds == LOCAL).any():
+                line.append(MARK_LOCAL, "bold cyan")
+            elif share <= 0:
+                line.append(MARK_UNREAD, "dim")
+            else:
+                line.append(SHADES[min(int(share * len(SHADES) - 1e-9), len(SHADES) - 1)],
+                            "green")
+        rows.append(line)
+    return rows
+
+
+def show_attention(report: AttentionReport) -> None:
+    out = render.console()
+    out.soft_wrap = True
+    info, m = report.info, report.map
+    out.print(f"model {escape(str(info.get('model', '')))}, profile "
+              f"{escape(str(info.get('profile', '')))}: {info.get('document_tokens', 0):,} "
+              f"document + {info.get('prompt_tokens', 0) - info.get('document_tokens', 0):,} "
+              f"question tokens, {report.steps} answer tokens observed")
+    table = Table("layer", "recall", "worst step", "reuse recall", "overlap", "blocks read")
+    for x in report.layers:
+        style = "red" if x.recall < 0.8 else ("yellow" if x.recall < 0.95 else "")
+        table.add_row(str(x.layer), Text(f"{x.recall:.1%}", style), f"{x.recall_min:.1%}",
+                      f"{x.reuse_recall:.1%}", f"{x.overlap:.0%}",
+                      f"{x.blocks_read:.0f} / {x.blocks_total:.0f}" + (" (all)" if x.dense else ""))
+    out.print(table)
+    label = 8
+    width = max(8, out.width - label)
+    rows = map_rows(report, width)
+    cols = len(rows[0]) if rows else 1
+    doc_col = min(cols, m.doc_blocks * cols // max(m.n_blocks, 1))
+    ruler = Text(" " * label) + Text("─" * doc_col, "dim") + Text("┄" * (cols - doc_col), "yellow")
+    per_col = f", about {m.n_blocks / cols:.3g} per column" if cols < m.n_blocks else ""
+    out.print(Text(f"blocks read per layer ({m.n_blocks:,} blocks of {m.block_size} tokens"
+                   f"{per_col}):"))
+    out.print(ruler)
+    for layer, row in enumerate(rows):
+        out.print(Text(f"L{layer:<{label - 1}}") + row)
+    out.print(Text.assemble(
+        " " * label, ("─", "dim"), " document  ", ("┄", "yellow"), " question + answer   ",
+        (MARK_INIT, "bold magenta"), " init  ", (MARK_LOCAL, "bold cyan"), " local window  ",
+        (SHADES, "green"), " selected (share of steps)  ", (MARK_UNREAD, "dim"), " not read"))
+    answer = str(info.get("answer", "")).replace("\n", " ")
+    if answer:
+        out.print(f"answer so far: {escape(answer[:200])}")
+    style = "green" if report.mean_recall >= 0.95 else ("yellow" if report.mean_recall >= 0.8
+                                                        else "red")
+    out.print(Text(report.advice, style))
+
+
+# --- inspect attention: PNG ---------------------------------------------------------------------
+
+def _need_matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise KtlongError("--png needs matplotlib, which is not installed",
+                          hint="pip install 'ktlong[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_png(report: AttentionReport, path: Path) -> None:
+    """The block map (layers x context blocks) above a recall-by-layer plot."""
+    plt = _need_matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
+    m = report.map
+    n_layers = m.share.shape[0]
+    img = np.ones((n_layers, m.n_blocks, 3))  # white = not read
+    green = np.array([0.0, 0.55, 0.2])
+    img -= m.share[..., None] * (1 - green)  # selected: white -> green by share of steps
+    img[:, m.kind == INIT] = (0.6, 0.2, 0.7)
+    img[:, m.kind == LOCAL] = (0.15, 0.45, 0.85)
+    fig, (ax_map, ax_rec) = plt.subplots(2, 1, figsize=(11, 3 + 0.35 * n_layers + 2.5),
+                                         height_ratios=[max(n_layers, 2), 3])
+    ax_map.imshow(img, aspect="auto", interpolation="nearest",
+                  extent=(0, m.n_blocks * m.block_size, n_layers - 0.5, -0.5))
+    ax_map.axvline(m.doc_blocks * m.block_size, color="orange", lw=1.2, ls="--")
+    ax_map.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_map.set_ylabel("layer")
+    ax_map.set_xlabel("context position (tokens); dashed: end of document")
+    ax_map.set_title("blocks read: purple init, blue local window, green selected "
+                     "(darker = more steps)", fontsize=10)
+    layers = [x.layer for x in report.layers]
+    ax_rec.bar(layers, [x.recall for x in report.layers], color="seagreen", label="recall")
+    ax_rec.plot(layers, [x.reuse_recall for x in report.layers], "o--", color="darkorange",
+                label="recall if the previous step's blocks were reused")
+    ax_rec.axhline(report.mean_recall, color="gray", ls=":", label=f"mean {report.mean_recall:.1%}")
+    ax_rec.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_rec.set_ylim(0, 1.05)
+    ax_rec.set_xlabel("layer")
+    ax_rec.set_ylabel("attention mass kept")
+    ax_rec.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8,
+                  frameon=False)
+    fig.suptitle(_wrap(report.advice, 110), fontsize=9)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise KtlongError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+
+
+def _wrap(text: str, width: int) -> str:
+    return "\n".join(textwrap.wrap(text, width))

@@ -1,0 +1,419 @@
+"""The on-disk prompt cache: prefill a document once, memory-map its KV on every later chat.
+
+One entry is one file, `<key>.ktkv`, in the KV store's own layout so it maps straight back in:
+  magic "KTLONGKV" | u32 version | u64 header length | JSON header | pad to 4 KiB |
+  token ids int32 [n] | per layer: K, V [Hkv, nb, bs, d] (storage dtype), anchors f32 [Hkv, nb, A, d]
+each section aligned to 4 KiB. The header names the model, tokenizer, kv_type, block_size and RoPE
+(the key: everything that changes KV contents, nothing else) and a CRC-32 per layer, checked on
+load. Entries are written to a temporary name, fsynced and renamed, under a per-key lock; only
+complete `*.ktkv` files are ever opened. JSON + raw arrays: no pickle, nothing in a file can run.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ktlong.config import Settings, ktlong_home
+from ktlong.engine import Progress, Session
+from ktlong.errors import KtlongError
+from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, to_storage, from_storage
+from ktlong.model import LoadedModel, ModelSpec
+
+MAGIC = b"KTLONGKV"
+VERSION = 1
+ALIGN = 4096
+HEADER_ROOM = 4 * ALIGN  # the header's reserved room; data starts here
+SUFFIX = ".ktkv"
+
+
+class DamagedEntry(Exception):
+    """A cache file that must not be used (truncated, corrupted, other model or version)."""
+
+
+@dataclass
+class Opened:
+    session: Session
+    source: str  # "cache" (memory-mapped entry) or "prefill"
+    entry: Path | None = None  # the cache entry used or written
+    note: str = ""  # one line for the user: a damaged entry recomputed, a write that failed
+    verify_s: float = 0.0  # time spent checking the entry's checksums
+
+
+def cache_root(settings: Settings, cache_dir: Path | None = None) -> Path:
+    return Path(cache_dir or settings.cache_dir or ktlong_home() / "cache").expanduser()
+
+
+def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
+    """Everything besides the token ids that changes the KV contents."""
+    return {"model": spec.fingerprint, "tokenizer": spec.tokenizer_fingerprint, "arch": spec.arch,
+            "kv_type": settings.kv_type, "block_size": settings.block_size,
+            "rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling,
+            "shape": [spec.n_layers, spec.n_kv_heads, spec.head_dim]}
+
+
+def _ids_hash(ids: list[int] | np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype=np.int32).tobytes()).hexdigest()
+
+
+def entry_key(ck: dict[str, Any], ids: list[int] | np.ndarray) -> str:
+    h = hashlib.sha256(json.dumps(ck, sort_keys=True).encode())
+    h.update(_ids_hash(ids).encode())
+    return h.hexdigest()[:24]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+# --- reading -------------------------------------------------------------------------------------
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(header, data offset); raises DamagedEntry on anything unexpected."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+            if len(head) < 20 or head[:8] != MAGIC:
+                raise DamagedEntry("not a ktlong cache file")
+            version, n = struct.unpack("<IQ", head[8:])
+            if version != VERSION:
+                raise DamagedEntry(f"cache format version {version}, this ktlong reads {VERSION}")
+            if n > 1 << 26:
+                raise DamagedEntry("damaged header")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise DamagedEntry(f"unreadable ({e})") from None
+    return header, HEADER_ROOM
+
+
+def _layout(h: dict[str, Any]) -> dict[str, int]:
+    """Byte sizes of one layer's sections: full-block K (= V), anchors, remainder K (= V)."""
+    L, H, d = h["content"]["shape"]
+    item = np.dtype(KV_TYPES[h["content"]["kv_type"]][0]).itemsize
+    nb, bs, A, rem = h["n_blocks"], h["content"]["block_size"], h["anchor_num"], h["remainder"]
+    kv, an, rm = H * nb * bs * d * item, H * nb * A * d * 4, H * rem * d * item
+    return {"kv": kv, "anchors": an, "rem": rm,
+            "layer": 2 * _align(kv) + _align(an) + 2 * _align(rm)}
+
+
+def verify(path: Path, header: dict[str, Any], offset: int) -> float:
+    """Check size and every layer's CRC by plain reads (not through the map: RSS stays flat)."""
+    t0 = time.perf_counter()
+    per_layer = _layout(header)["layer"]
+    ids_bytes = _align(header["n_tokens"] * 4)
+    size = offset + ids_bytes + per_layer * header["content"]["shape"][0]
+    if path.stat().st_size != size:
+        raise DamagedEntry(f"truncated ({path.stat().st_size} of {size} bytes)")
+    buf = bytearray(1 << 22)
+    crcs = []
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        for want in [ids_bytes] + [per_layer] * len(header["layer_crc"]):
+            crc, left = 0, want
+            while left:
+                n = f.readinto(memoryview(buf)[: min(left, len(buf))])
+                if not n:
+                    raise DamagedEntry("truncated")
+                crc, left = zlib.crc32(memoryview(buf)[:n], crc), left - n
+            crcs.append(crc)
+    if crcs != [header["ids_crc"], *header["layer_crc"]]:
+        raise DamagedEntry("checksum mismatch (the file was modified or damaged)")
+    return time.perf_counter() - t0
+
+
+def map_entry(path: Path, header: dict[str, Any], offset: int, capacity: int,
+              anchor_type: str, anchor_num: int) -> tuple[KVStore, list[int]]:
+    """A KVStore whose base segment is the entry's full blocks, memory-mapped read-only."""
+    c = header["content"]
+    L, H, d = c["shape"]
+    dtype = np.dtype(KV_TYPES[c["kv_type"]][0])
+    nb, bs, n, rem = header["n_blocks"], c["block_size"], header["n_tokens"], header["remainder"]
+    sz = _layout(header)
+    ids = np.memmap(path, np.int32, "r", offset, (n,)).tolist() if n else []
+    o = offset + _align(n * 4)
+    n_base = (n - 1) // bs if n else 0  # mapped blocks; >= 1 token stays writable for re-feeding
+    ks, vs, anchors, tails = [], [], [], []
+    for _ in range(L):
+        k = np.memmap(path, dtype, "r", o, (H, nb, bs, d)) if nb else np.zeros((H, 0, bs, d), dtype)
+        v = np.memmap(path, dtype, "r", o + _align(sz["kv"]), (H, nb, bs, d)) if nb else k
+        ks.append(k)  # whole arrays (C-contiguous); the store uses blocks [0, n_base)
+        vs.append(v)
+        o += 2 * _align(sz["kv"])
+        if (header["anchor_type"], header["anchor_num"]) == (anchor_type, anchor_num) and nb:
+            anchors.append(np.array(np.memmap(path, np.float32, "r", o, (H, nb, anchor_num, d))))
+        o += _align(sz["anchors"])
+        tk = [k[:, b].reshape(H, bs, d) for b in range(n_base, nb)]  # [H, bs, d] each
+        tv = [v[:, b].reshape(H, bs, d) for b in range(n_base, nb)]
+        if rem:
+            tk.append(np.memmap(path, dtype, "r", o, (H, rem, d)))
+            tv.append(np.memmap(path, dtype, "r", o + _align(sz["rem"]), (H, rem, d)))
+        o += 2 * _align(sz["rem"])
+        tails.append((np.concatenate(tk, 1), np.concatenate(tv, 1)))  # [H, n - n_base*bs, d]
+    shape = StoreShape(L, H, d, bs, c["kv_type"], anchor_num)
+    store = KVStore(shape, capacity, base=(ks, vs), base_anchors=anchors or None, nb_base=n_base)
+    for layer, (tk_, tv_) in enumerate(tails):  # the last block(s) go to the writable tail
+        store.write(layer, from_storage(tk_, c["kv_type"]), from_storage(tv_, c["kv_type"]))
+    return store, ids
+
+
+# --- writing -------------------------------------------------------------------------------------
+def _raw(a: np.ndarray) -> np.ndarray:
+    """The bytes of `a` as a flat uint8 array (a buffer f.write and zlib take, even when empty)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def _head_blocks(store: KVStore, layer: int, which: str, n_full: int) -> Iterator[np.ndarray]:
+    """Full blocks [0, n_full) of one layer's K or V, head by head, without a layer-sized copy."""
+    base = getattr(store, f"{which}_base")[layer]
+    tail = getattr(store, f"{which}_tail")[layer]
+    nb_base = store.nb_base
+    for h in range(store.shape.n_kv_heads):
+        yield _raw(np.ascontiguousarray(base[h, : min(n_full, nb_base)]))
+        if n_full > nb_base:
+            yield _raw(np.ascontiguousarray(tail[h, : n_full - nb_base]))
+
+
+def write_entry(path: Path, session: Session, content: dict[str, Any], extra: dict[str, Any]) -> Path:
+    """Write the session's store to `path` atomically (temp name, fsync, rename)."""
+    store, n = session.store, len(session.tokens)
+    bs, H, d = store.shape.block_size, store.shape.n_kv_heads, store.shape.head_dim
+    n_full, rem = n // bs, n % bs
+    header = {"content": content, "n_tokens": n, "n_blocks": n_full, "remainder": rem,
+              "anchor_num": store.shape.anchor_num, "anchor_type": session.settings.anchor_type,
+              "created": time.time(), **extra}
+    sz = _layout(header)
+    session.policy.complete_anchors()
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    crcs: list[int] = []
+    ids = np.asarray(session.tokens, np.int32)
+
+    def section(f: Any, parts: Any, size: int, crc: int) -> int:
+        for p in parts:
+            f.write(p)
+            crc = zlib.crc32(p, crc)
+        pad = bytes(_align(size) - size)
+        f.write(pad)
+        return zlib.crc32(pad, crc)
+
+    try:
+        with open(tmp, "wb") as f:
+            # the header is written last, once the CRCs are known: reserve its room first
+            f.write(bytes(HEADER_ROOM))
+            ids_crc = section(f, [_raw(ids)], ids.nbytes, 0)
+            for layer in range(store.shape.n_layers):
+                crc = section(f, _head_blocks(store, layer, "k", n_full), sz["kv"], 0)
+                crc = section(f, _head_blocks(store, layer, "v", n_full), sz["kv"], crc)
+                a = np.ascontiguousarray(store.anchors[layer][:, :n_full])
+                crc = section(f, [_raw(a)], sz["anchors"], crc)
+                rems = [np.zeros(0, np.uint8)] * 2
+                if rem:  # the partial last block: [H, rem, d] each
+                    rems = [to_storage(t, store.shape.kv_type)
+                            for t in store.token_range(layer, n_full * bs, n)]
+                for r in rems:
+                    crc = section(f, [_raw(np.ascontiguousarray(r))], sz["rem"], crc)
+                crcs.append(crc)
+            header.update(ids_crc=ids_crc, layer_crc=crcs)
+            raw = json.dumps(header).encode()
+            if 20 + len(raw) > HEADER_ROOM:
+                raise KtlongError("cache header too large")
+            f.seek(0)
+            f.write(MAGIC + struct.pack("<IQ", VERSION, len(raw)) + raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise KtlongError(f"could not write the prompt cache to {path.parent}: {e.strerror}",
+                              hint="free disk space, move it with --cache-dir, or use --no-cache") from None
+        raise
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- the cache: lookup, open, save, list, evict --------------------------------------------------
+@contextmanager
+def _lock(root: Path, key: str) -> Iterator[None]:
+    """One prefill per document at a time: a second process waits, then finds the entry."""
+    (root / "locks").mkdir(parents=True, exist_ok=True)
+    with open(root / "locks" / f"{key}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@dataclass
+class Entry:
+    path: Path
+    header: dict[str, Any]
+    size: int
+    last_used: float
+
+    @property
+    def key(self) -> str:
+        return self.path.stem
+
+
+class PromptCache:
+    """Entries in `root/entries` (documents, evicted LRU) and `root/saved` (named, kept)."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root, self.max_bytes = root, max_bytes
+
+    def entries(self, folder: str = "entries") -> list[Entry]:
+        out = []
+        for p in sorted((self.root / folder).glob(f"*{SUFFIX}")):
+            try:
+                header, _ = read_header(p)
+                st = p.stat()
+            except (DamagedEntry, OSError):
+                header, st = {}, p.stat()
+            out.append(Entry(p, header, st.st_size, st.st_mtime))
+        return out
+
+    def _open(self, entry: Entry, settings: Settings) -> tuple[KVStore, list[int], float]:
+        header, offset = read_header(entry.path)
+        spent = verify(entry.path, header, offset)
+        store, ids = map_entry(entry.path, header, offset, settings.max_seq_len,
+                                settings.anchor_type, settings.anchor_num)
+        os.utime(entry.path)  # last used, for LRU eviction
+        return store, ids, spent
+
+    def find_prefix(self, ck: dict[str, Any], ids: list[int]) -> Entry | None:
+        """The longest entry for this model/kv whose tokens are a prefix of `ids`."""
+        best = None
+        for e in self.entries():
+            h = e.header
+            if h.get("content") != ck or h.get("n_tokens", 0) > len(ids) or h["n_tokens"] == 0:
+                continue
+            if h.get("ids_sha") == _ids_hash(ids[: h["n_tokens"]]) and (
+                    best is None or h["n_tokens"] > best.header["n_tokens"]):
+                best = e
+        return best
+
+    def store(self, session: Session, ck: dict[str, Any], folder: str = "entries",
+              name: str | None = None) -> Path:
+        (self.root / folder).mkdir(parents=True, exist_ok=True)
+        key = name or entry_key(ck, session.tokens)
+        path = write_entry(self.root / folder / f"{key}{SUFFIX}", session, ck,
+                           {"ids_sha": _ids_hash(session.tokens), "model_path": session.lm.spec.path})
+        if folder == "entries":
+            self.evict(keep=path)
+        return path
+
+    def evict(self, keep: Path | None = None) -> list[Path]:
+        """Remove least-recently-used document entries until the total fits `max_bytes`."""
+        entries = sorted(self.entries(), key=lambda e: e.last_used)
+        total, gone = sum(e.size for e in entries), []
+        for e in entries:
+            if total <= self.max_bytes:
+                break
+            if e.path != keep:
+                e.path.unlink(missing_ok=True)
+                total -= e.size
+                gone.append(e.path)
+        for tmp in (self.root / "entries").glob(f"*{SUFFIX}.tmp-*"):  # left by a killed writer
+            pid = tmp.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not _alive(int(pid)):
+                tmp.unlink(missing_ok=True)
+        return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_cache(settings: Settings, cache_dir: Path | None = None) -> PromptCache:
+    return PromptCache(cache_root(settings, cache_dir), int(settings.cache_max_gb * 1e9))
+
+
+def open_document(lm: LoadedModel, settings: Settings, ids: list[int],
+                  progress: Progress | None = None, use_cache: bool = True,
+                  cache_dir: Path | None = None) -> Opened:
+    """A Session whose store holds `ids` (the document's prompt tokens).
+
+    Uses the longest cache entry whose tokens are a prefix of `ids` and prefills only the rest;
+    with no entry, prefills and stores the result. A damaged or stale entry is reported in
+    `Opened.note`, removed and recomputed. A failed write (disk full) costs the cache, not the chat.
+    """
+    Session(lm, settings).check_fits(len(ids))
+    if not use_cache:
+        session = Session(lm, settings)
+        session.prefill(ids, progress)
+        return Opened(session, "prefill")
+    cache = open_cache(settings, cache_dir)
+    ck = content_key(lm.spec, settings)
+    note = ""
+    with _lock(cache.root, entry_key(ck, ids)):
+        entry = cache.find_prefix(ck, ids)
+        if entry is not None:
+            try:
+                store, cached_ids, spent = cache._open(entry, settings)
+                session = Session(lm, settings, store=store, tokens=cached_ids)
+                if len(cached_ids) < len(ids):
+                    session.prefill(ids[len(cached_ids):], progress)
+                else:
+                    session.extend_to(ids)  # re-feeds the last token for its logits
+                return Opened(session, "cache", entry.path, verify_s=spent)
+            except DamagedEntry as e:
+                note = f"prompt cache entry {entry.path.name} is damaged ({e}); recomputing"
+                entry.path.unlink(missing_ok=True)
+        session = Session(lm, settings)
+        session.prefill(ids, progress)
+        try:
+            path = cache.store(session, ck)
+        except KtlongError as e:
+            return Opened(session, "prefill", None, f"{e.message} ({e.hint})")
+    return Opened(session, "prefill", path, note)
+
+
+def save_conversation(session: Session, name: str, cache_dir: Path | None = None) -> Path:
+    """Keep the whole conversation's KV under `name` (chat's /save)."""
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise KtlongError(f"bad name '{name}': use letters, digits, '-' and '_'")
+    cache = open_cache(session.settings, cache_dir)
+    return cache.store(session, content_key(session.lm.spec, session.settings), "saved", name)
+
+
+def load_conversation(lm: LoadedModel, settings: Settings, name: str,
+                      cache_dir: Path | None = None) -> Session:
+    """A Session resumed from a /save (chat's /load)."""
+    cache = open_cache(settings, cache_dir)
+    path = cache.root / "saved" / f"{name}{SUFFIX}"
+    if not path.exists():
+        names = ", ".join(e.key for e in cache.entries("saved")) or "none saved yet"
+        raise KtlongError(f"no saved conversation '{name}'", hint=f"saved: {names}")
+    header, _ = read_header(path)
+    if header.get("content") != content_key(lm.spec, settings):
+        raise KtlongError(f"'{name}' was saved with another model or kv_type/block_size",
+                          hint=f"it was made with {header.get('model_path')}")
+    store, ids, _ = cache._open(Entry(path, header, 0, 0), settings)
+    session = Session(lm, settings, store=store, tokens=ids)
+    session.extend_to(ids)
+    return session

@@ -1,0 +1,259 @@
+"""The Typer app: help without heavy imports, the one error handler, memcheck, inspect config."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ktlong import memory, render
+from ktlong.cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str, **env: str) -> object:
+    return runner.invoke(app, list(args), env={"COLUMNS": "200", **env})
+
+
+# --- help, version, imports ---------------------------------------------------------------------
+
+def test_help_lists_subcommands() -> None:
+    r = run("--help")
+    assert r.exit_code == 0
+    for name in ("memcheck", "inspect", "bench", "--install-completion"):
+        assert name in r.stdout
+    r = run()  # no arguments: the help, not an error message
+    assert "Usage" in r.output and "memcheck" in r.output
+    assert "config" in run("inspect", "--help").stdout
+    assert "decode" in run("bench", "--help").stdout
+    assert run("--version").stdout.strip() == "ktlong 0.1.0"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["inspect", "--help"], ["bench", "decode", "--help"],
+                                  ["memcheck", "--help"]])
+def test_help_imports_no_heavy_module(args: list[str]) -> None:
+    code = ("import sys\nfrom ktlong.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('HEAVY', [m for m in ('torch', 'transformers', 'numba') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("HEAVY []")
+    assert "Usage" in out.stdout
+
+
+def test_console_script_and_module_entry(ktlong_home: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "ktlong", "memcheck", "--model", "/no/such/model"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: model path /no/such/model does not exist\nhint: ")
+    assert out.stdout == ""
+
+
+# --- the one error handler ----------------------------------------------------------------------
+
+def test_user_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    r = run("memcheck", "--model", str(tmp_path / "empty"))
+    assert r.exit_code == 2
+    assert r.stderr.splitlines()[0] == f"error: {tmp_path / 'empty'} is not a model folder: " \
+                                       "no config.json"
+    assert len(r.stderr.splitlines()) == 2 and r.stderr.splitlines()[1].startswith("hint: ")
+
+
+def test_unsupported_architecture(shape_dir: Callable[..., Path]) -> None:
+    r = run("memcheck", "--model", str(shape_dir(model_type="gpt2")))
+    assert r.exit_code == 2 and "architecture 'gpt2' is not supported" in r.stderr
+
+
+def test_unexpected_error_exit_1_and_debug(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom() -> int:
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(memory, "free_dram_bytes", boom)
+    r = run("memcheck")
+    assert r.exit_code == 1
+    assert r.stderr == ("error: RuntimeError: disk on fire (set KTLONG_DEBUG=1 for the "
+                        "traceback)\n")
+    r = run("memcheck", KTLONG_DEBUG="1")
+    assert isinstance(r.exception, RuntimeError) and "disk on fire" in str(r.exception)
+
+
+def test_usage_errors_stay_usage_errors() -> None:
+    r = run("inspect", "config", "--no-such-flag")
+    assert r.exit_code == 2 and "No such option" in r.output
+
+
+def test_no_color_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert render.console().no_color
+    monkeypatch.delenv("NO_COLOR")
+    assert not render.console().no_color
+
+
+# --- memcheck -----------------------------------------------------------------------------------
+
+def test_memcheck_reference_shape_says_so() -> None:
+    r = run("memcheck")
+    assert r.exit_code == 0, r.output
+    assert "no --model given" in r.stdout and "reference shape" in r.stdout
+    assert "17.2 GB" in r.stdout and "recommended max_seq_len" in r.stdout
+
+
+def test_memcheck_model_json(shape_dir: Callable[..., Path],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 100 * 10**9)
+    model = shape_dir()
+    r = run("memcheck", "--model", str(model), "--kv-type", "fp16", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["model"] == str(model) and data["kv_type"] == "FP16"
+    assert data["kv_bytes_per_token"] == 131072 and data["free_dram_bytes"] == 100 * 10**9
+    rows = {row["label"]: row for row in data["rows"]}
+    assert set(rows) == {"4K", "32K", "64K", "128K", "256K (model max)", "512K", "1M"}
+    assert rows["128K"]["kv_bytes"] == 131072 * 131072
+    assert memory.gb(rows["128K"]["kv_bytes"]) == "17.2 GB"
+    assert data["recommended_max_seq_len"] == memory.recommend_max_seq_len(
+        memory.REFERENCE.__class__(n_layers=32, n_kv_heads=8, head_dim=128,
+                                   weights_bytes=data["weights_bytes"], max_positions=262144),
+        "FP16", 100 * 10**9)
+    assert data["written"] is None
+
+
+def test_memcheck_text_table_for_a_model(shape_dir: Callable[..., Path]) -> None:
+    r = run("memcheck", "--model", str(shape_dir()), "--kv-type", "FP16")
+    assert r.exit_code == 0, r.output
+    assert "131,072 bytes per token" in r.stdout and "17.2 GB" in r.stdout
+    assert "256K*" in r.stdout and "reference" not in r.stdout
+
+
+def test_memcheck_gguf_reads_metadata_only(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "shape.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_block_count(28)
+    w.add_context_length(32768)
+    w.add_embedding_length(3584)
+    w.add_head_count(28)
+    w.add_head_count_kv(4)
+    w.add_tensor("token_embd.weight", np.zeros((8, 16), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = run("memcheck", "--model", str(path), "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["arch"] == "qwen2" and data["max_positions"] == 32768
+    assert data["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2  # BF16, head_dim 3584 / 28
+    assert [row["label"] for row in data["rows"]][1] == "32K (model max)"
+    (tmp_path / "notes.txt").write_text("hello")
+    r = run("memcheck", "--model", str(tmp_path / "notes.txt"))
+    assert r.exit_code == 2 and "is not a model" in r.stderr
+
+
+def test_memcheck_write_edits_only_that_line(ktlong_home: Path, shape_dir: Callable[..., Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 40 * 10**9)
+    assert run("inspect", "config").exit_code == 0  # first run writes config.yaml
+    path = ktlong_home / "config.yaml"
+    text = path.read_text().replace("top_k: 0", "top_k: 5  # my choice")
+    path.write_text(text)
+    r = run("memcheck", "--model", str(shape_dir()), "--write", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    rec = data["recommended_max_seq_len"]
+    assert data["written"] == str(path) and rec > 0
+    new = path.read_text()
+    assert yaml.safe_load(new)["max_seq_len"] == rec and yaml.safe_load(new)["top_k"] == 5
+    old_lines, new_lines = text.splitlines(), new.splitlines()
+    changed = [(a, b) for a, b in zip(old_lines, new_lines, strict=True) if a != b]
+    assert changed == [(next(x for x in old_lines if x.startswith("max_seq_len:")),
+                        f"max_seq_len: {rec}")]
+
+
+def test_memcheck_write_refuses_when_nothing_fits(ktlong_home: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 10**9)
+    assert run("inspect", "config").exit_code == 0
+    before = (ktlong_home / "config.yaml").read_text()
+    r = run("memcheck", "--write")
+    assert r.exit_code == 2 and "no context length fits" in r.stderr
+    assert (ktlong_home / "config.yaml").read_text() == before
+
+
+# --- inspect config -----------------------------------------------------------------------------
+
+def test_inspect_config_json_sources(ktlong_home: Path) -> None:
+    r = run("inspect", "config", "--json", "--profile", "kvretrieval", "--set", "top_k=40",
+            "--kv-type", "fp32", "--max-seq-len", "64K", KTLONG_CHUNK_SIZE="2048")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    s, src = data["settings"], data["sources"]
+    assert (s["top_k"], src["top_k"]) == (40, "flag")
+    assert (s["kv_type"], src["kv_type"]) == ("FP32", "flag")
+    assert (s["max_seq_len"], src["max_seq_len"]) == (65536, "flag")
+    assert (s["chunk_size"], src["chunk_size"]) == (2048, "env:KTLONG_CHUNK_SIZE")
+    assert (s["dense_layer_num"], src["dense_layer_num"]) == (2, "profile:kvretrieval")
+    assert src["block_size"] == f"config:{ktlong_home / 'config.yaml'}"
+    assert data["config_file"] == str(ktlong_home / "config.yaml")
+
+
+def test_inspect_config_table_explain_and_keys() -> None:
+    r = run("inspect", "config", "--explain", "anchor_type", "block_size")
+    assert r.exit_code == 0, r.output
+    assert "DYNAMIC|MAX|MEAN|QUEST|FIX" in r.stdout and "block_size" in r.stdout
+    assert "kv_type" not in r.stdout
+    r = run("inspect", "config", "--json", "--explain", "top_p")
+    assert json.loads(r.stdout)["fields"]["top_p"]["allowed"] == "float 0.0..1.0"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--set", "blok_size=3"], ["unknown setting 'blok_size'", "did you mean 'block_size'"]),
+    (["--set", "block_size"], ["--set 'block_size' is not KEY=VALUE"]),
+    (["--profile", "nope"], ["no profile named 'nope'", "streamingllm"]),
+    (["--set", "anchor_type=quest"], ["QUEST needs anchor_num 2"]),
+    (["--threads", "-1"], ["threads_num = -1 is out of range"]),
+    (["not_a_key"], ["unknown setting 'not_a_key'"]),
+])
+def test_inspect_config_bad_input(args: list[str], words: list[str]) -> None:
+    r = run("inspect", "config", *args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: ")
+    for w in words:
+        assert w in r.stderr
+
+
+def test_config_yaml_errors_through_the_cli(ktlong_home: Path) -> None:
+    ktlong_home.mkdir()
+    (ktlong_home / "config.yaml").write_text("block_size: 64\nkv_type: {FP16\n")
+    r = run("inspect", "config")
+    assert r.exit_code == 2 and "YAML syntax error" in r.stderr
+    assert (ktlong_home / "config.yaml").read_text() == "block_size: 64\nkv_type: {FP16\n"
+
+
+# --- bench --------------------------------------------------------------------------------------
+
+def test_bench_decode_passes_parsed_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict] = []
+    fake = types.ModuleType("ktlong.bench.decode")
+    fake.main = lambda **kw: calls.append(kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ktlong.bench.decode", fake)
+    import ktlong.bench
+
+    monkeypatch.setattr(ktlong.bench, "decode", fake, raising=False)
+    r = run("bench", "decode", "--contexts", "16K, 65536,1M", "--repeats", "2", "-t", "1", "--json")
+    assert r.exit_code == 0, r.output
+    assert calls == [dict(contexts=[16384, 65536, 1048576], repeats=2, threads=1, as_json=True)]
+    r = run("bench", "decode", "--contexts", "16K,lots")
+    assert r.exit_code == 2 and "--contexts '16K,lots'" in r.stderr
+    assert len(calls) == 1

@@ -1,0 +1,194 @@
+"""The on-disk prompt cache: hits equal fresh prefills, and no damaged entry is ever used."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from ktlong.engine import Sampling
+from ktlong.errors import KtlongError
+from ktlong.model import load_model
+from ktlong.promptcache import (
+    SUFFIX, load_conversation, open_cache, open_document, read_header, save_conversation,
+)
+from ktlong.tinymodel import filler_text
+
+from .models import hf_model, settings
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model(hf_model("llama", qk_scale=4.0), device="CPU", dtype="float32")
+
+
+def _ids(lm, n, seed=5):
+    return lm.tokenizer(filler_text(n, seed=seed))["input_ids"][:n]
+
+
+def _answer(session, n=12):
+    return [s.token_id for s in session.generate(Sampling(max_new_tokens=n))]
+
+
+@pytest.mark.parametrize("kv_type", ["FP32", "BF16", "FP16"])
+@pytest.mark.parametrize("n", [1200, 1200 - 1200 % 16])  # a partial last block, and none
+def test_cache_hit_decodes_like_the_fresh_prefill(lm, kv_type, n, tmp_path):
+    st = settings(kv_type=kv_type, anchor_type="MEAN")
+    ids = _ids(lm, n)
+    first = open_document(lm, st, ids, cache_dir=tmp_path)
+    assert first.source == "prefill" and first.entry.exists()
+    fresh = _answer(first.session)
+    again = open_document(lm, st, ids, cache_dir=tmp_path)
+    assert again.source == "cache" and again.entry == first.entry
+    assert again.session.store.nb_base > 0  # the KV really comes from the mapped file
+    assert isinstance(again.session.store.k_base[0], np.memmap)
+    assert _answer(again.session) == fresh
+
+
+def test_entry_serves_any_conversation_that_starts_with_the_document(lm, tmp_path):
+    st = settings(anchor_type="MEAN")
+    doc, question = _ids(lm, 1000), _ids(lm, 40, seed=6)
+    open_document(lm, st, doc, cache_dir=tmp_path)
+    hit = open_document(lm, st, doc + question, cache_dir=tmp_path)
+    assert hit.source == "cache" and len(hit.session.tokens) == 1040
+    cold = open_document(lm, st, doc + question, use_cache=False)
+    assert _answer(hit.session) == _answer(cold.session)
+
+
+def test_selection_settings_do_not_invalidate_but_kv_settings_do(lm, tmp_path):
+    ids = _ids(lm, 800)
+    open_document(lm, settings(anchor_type="MEAN"), ids, cache_dir=tmp_path)
+    other_policy = settings(anchor_type="MEAN", second_select_num=3, token_step=2)
+    assert open_document(lm, other_policy, ids, cache_dir=tmp_path).source == "cache"
+    assert open_document(lm, settings(kv_type="BF16"), ids, cache_dir=tmp_path).source == "prefill"
+    assert open_document(lm, settings(block_size=32, init_len=32), ids, cache_dir=tmp_path).source == "prefill"
+
+
+def _entry(tmp_path):
+    (path,) = (tmp_path / "entries").glob(f"*{SUFFIX}")
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "version", "garbage"])
+def test_damaged_entry_is_reported_and_recomputed(lm, tmp_path, damage):
+    st = settings(anchor_type="MEAN")
+    ids = _ids(lm, 900)
+    fresh = _answer(open_document(lm, st, ids, cache_dir=tmp_path).session)
+    path = _entry(tmp_path)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) - 5000]
+    elif damage == "bitflip":
+        raw[len(raw) // 2] ^= 0x10
+    elif damage == "version":
+        raw[8] = 99
+    else:
+        raw[:8] = b"NOTKTLNG"
+    path.write_bytes(bytes(raw))
+    opened = open_document(lm, st, ids, cache_dir=tmp_path)
+    if damage in ("version", "garbage"):  # unreadable headers never match a lookup
+        assert opened.source == "prefill"
+    else:
+        assert opened.source == "prefill" and "damaged" in opened.note
+    assert _answer(opened.session) == fresh
+    read_header(_entry(tmp_path))  # a good entry was written back
+
+
+def test_other_model_entry_is_not_used(lm, tmp_path):
+    ids = _ids(lm, 700)
+    open_document(lm, settings(), ids, cache_dir=tmp_path)
+    other = load_model(hf_model("llama", qk_scale=2.0), device="CPU", dtype="float32")
+    assert open_document(other, settings(), ids, cache_dir=tmp_path).source == "prefill"
+    assert len(list((tmp_path / "entries").glob(f"*{SUFFIX}"))) == 2
+
+
+def test_full_disk_keeps_the_chat_and_leaves_no_partial_entry(lm, tmp_path, monkeypatch):
+    import ktlong.promptcache as pc
+
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > 20000:
+                raise OSError(28, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    def fake_open(path, mode="r", *a, **k):
+        f = real_open(path, mode, *a, **k)
+        return FullDisk(f) if "w" in mode and ".tmp-" in str(path) else f
+
+    monkeypatch.setattr(pc, "open", fake_open, raising=False)
+    opened = open_document(lm, settings(), _ids(lm, 900), cache_dir=tmp_path)
+    assert opened.source == "prefill" and "No space left" in opened.note
+    assert list((tmp_path / "entries").iterdir()) == []  # no partial, no temp file
+    assert len(_answer(opened.session, 3)) >= 1  # the chat goes on
+
+
+def test_kill_during_write_leaves_nothing_that_loads(lm, tmp_path):
+    """A writer killed with SIGKILL mid-write leaves only a temp file, which is never opened."""
+    script = textwrap.dedent(f"""
+        import os, time, ktlong.promptcache as pc
+        from ktlong.model import load_model
+        from tests.models import hf_model, settings
+        real = pc.write_entry.__globals__["zlib"].crc32
+        def slow(*a):
+            time.sleep(0.05)
+            return real(*a)
+        pc.zlib.crc32 = slow
+        lm = load_model(hf_model("llama", qk_scale=4.0), device="CPU", dtype="float32")
+        ids = lm.tokenizer(pc.__dict__.get("x", "") or open({str(tmp_path / "doc.txt")!r}).read())["input_ids"][:900]
+        print("start", flush=True)
+        pc.open_document(lm, settings(), ids, cache_dir=pc.Path({str(tmp_path)!r}))
+    """)
+    (tmp_path / "doc.txt").write_text(filler_text(900, seed=5))
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "start"
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((tmp_path / "entries").glob("*.tmp-*")):
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert list((tmp_path / "entries").glob("*.tmp-*")), "the writer never started"
+    assert list((tmp_path / "entries").glob(f"*{SUFFIX}")) == []
+    ids = _ids(lm, 900)
+    assert open_document(lm, settings(), ids, cache_dir=tmp_path).source == "prefill"
+    assert list((tmp_path / "entries").glob("*.tmp-*")) == []  # cleaned after the writer died
+
+
+def test_save_and_load_a_conversation(lm, tmp_path):
+    st = settings(anchor_type="MEAN")
+    s = open_document(lm, st, _ids(lm, 800), cache_dir=tmp_path).session
+    s.extend_to(s.tokens + _ids(lm, 30, seed=9))
+    save_conversation(s, "mychat", cache_dir=tmp_path)
+    expected = _answer(s)
+    back = load_conversation(lm, st, "mychat", cache_dir=tmp_path)
+    assert back.tokens == s.tokens[: len(back.tokens)] and _answer(back) == expected
+    with pytest.raises(KtlongError, match="no saved conversation"):
+        load_conversation(lm, st, "nope", cache_dir=tmp_path)
+
+
+def test_lru_eviction_keeps_the_cache_under_its_cap(lm, tmp_path):
+    st = settings(cache_max_gb=0.0)  # every older entry must go
+    for seed in range(3):
+        open_document(lm, st, _ids(lm, 500, seed=seed), cache_dir=tmp_path)
+    entries = open_cache(st, tmp_path).entries()
+    assert len(entries) == 1 and entries[0].header["n_tokens"] == 500
