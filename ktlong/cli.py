@@ -260,22 +260,41 @@ def inspect_attention(prompt_file: Annotated[Path, typer.Option(
                           "--tokens", "-n", min=1, help="Answer tokens to observe.")] = 8,
                       png: Annotated[Path | None, typer.Option(
                           "--png", metavar="FILE", show_default=False,
-                          help="Also write the map and a recall-by-layer plot "
-                               "(needs ktlong[plot]).")] = None,
+                          help="Also write the map and a recall-by-layer plot as an image "
+                               "(needs matplotlib).")] = None,
                       max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
                       device: DeviceOpt = None, threads: ThreadsOpt = None,
                       as_json: JsonOpt = False) -> None:
     """How much of the exact attention the profile's block selection keeps, layer by layer.
 
-    Prefills the document, appends the question, and for the first answer tokens compares each
-    layer's selected blocks with exact attention: recall, overlap of consecutive selections, and
-    a map of the blocks read.
+    Per layer over the first answer tokens: recall, overlap of steps, a map of blocks read.
     """
     from ktlong.inspect import attention_main
 
     res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
                   threads_num=threads)
     attention_main(model, prompt_file, question, res.settings, profile, tokens, as_json, png)
+
+
+@inspect_app.command("cache")
+def inspect_cache(remove: Annotated[list[str] | None, typer.Option(
+                      "--remove", metavar="KEY|NAME|all", show_default=False,
+                      help="Remove these entries (a key prefix, a saved name, or all).")] = None,
+                  cache_dir: Annotated[Path | None, typer.Option(
+                      "--cache-dir", metavar="DIR", show_default=False,
+                      help="The prompt cache folder (default: KTLONG_HOME/cache).")] = None,
+                  as_json: JsonOpt = False) -> None:
+    """Prompt-cache entries (model, tokens, size, created, last used); --remove deletes some."""
+    from ktlong import render
+    from ktlong.promptcache import list_entries, remove_entries
+
+    settings = resolve(None).settings
+    removed = remove_entries(settings, remove, cache_dir) if remove else []
+    rows = list_entries(settings, cache_dir)
+    if as_json:
+        render.print_json({"entries": rows, "removed": removed})
+    else:
+        render.cache_entries(rows, removed)
 
 
 # --- bench --------------------------------------------------------------------------------------
@@ -315,6 +334,17 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
     from ktlong.bench import prefill
 
     prefill.main(_lengths(contexts), threads, as_json, model)
+
+
+@bench_app.command("cache")
+def bench_cache(contexts: Annotated[str, typer.Option(
+                    help="Context lengths, comma-separated (K and M suffixes allowed).")]
+                = "32768,131072",
+                as_json: JsonOpt = False) -> None:
+    """Time to first token: prompt-cache hit against a fresh prefill; decode from mmap vs RAM."""
+    from ktlong.bench import cache
+
+    cache.main(_lengths(contexts), as_json)
 
 
 def main(argv: list[str] | None = None) -> None:

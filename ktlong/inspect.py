@@ -8,6 +8,8 @@ in the terminal, JSON for scripts, and a PNG through matplotlib (the optional `k
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,7 @@ class Observed:
     n_doc: int  # leading ids that are the document's own prefix
     answer: list[int]
     source: str  # "prefill" or "cache"
+    note: str = ""  # from the prompt cache, e.g. a damaged entry recomputed
 
 
 def record_decode(lm: Any, settings: Settings, document: str, question: str,
@@ -139,7 +142,7 @@ def record_decode(lm: Any, settings: Settings, document: str, question: str,
     if not rec.records:
         raise KtlongError("the model ended its answer at once: no decode step to observe",
                           hint="ask a question that needs an answer, or try --tokens")
-    return Observed(session, rec.records, ids, n_doc, answer, opened.source)
+    return Observed(session, rec.records, ids, n_doc, answer, opened.source, opened.note)
 
 
 def observe_attention(lm: Any, settings: Settings, document: str, question: str,
@@ -151,7 +154,7 @@ def observe_attention(lm: Any, settings: Settings, document: str, question: str,
     report = analyse(obs.records, obs.session.store, settings, scale, obs.n_doc)
     report.info = {
         "model": lm.spec.path, "arch": lm.spec.arch, "document_tokens": obs.n_doc,
-        "prompt_tokens": len(obs.ids), "source": obs.source,
+        "prompt_tokens": len(obs.ids), "source": obs.source, "note": obs.note,
         "answer": lm.tokenizer.decode(obs.answer, skip_special_tokens=True),
         "settings": {k: getattr(settings, k) for k in (
             "attention", "kv_type", "block_size", "init_len", "local_windows_len",
@@ -173,7 +176,6 @@ def attention_main(model: Path | None, prompt_file: Path, question: str, setting
     from ktlong.model import load_model
 
     document = read_document(prompt_file).text  # the chat's checks: missing, binary, encoding
-
     lm = load_model(model, settings.device)
     with _prefill_progress(quiet=as_json) as progress:
         report = observe_attention(lm, settings, document, question, n_answer, progress)
@@ -187,26 +189,18 @@ def attention_main(model: Path | None, prompt_file: Path, question: str, setting
         show_attention(report)
 
 
-class _prefill_progress:
-    """A transient rich progress bar on stderr for the document's prefill."""
+@contextmanager
+def _prefill_progress(quiet: bool) -> Iterator[Any]:
+    """A transient rich progress bar on stderr for the document's prefill (None when quiet)."""
+    if quiet:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeRemainingColumn
 
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-
-    def __enter__(self) -> Any:
-        if self.quiet:
-            return None
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeRemainingColumn
-
-        self.bar = Progress("prefill", BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                            console=render.console(stderr=True), transient=True)
-        self.bar.start()
-        self.task = self.bar.add_task("prefill", total=None)
-        return lambda done, total: self.bar.update(self.task, completed=done, total=total)
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.quiet:
-            self.bar.stop()
+    with Progress("prefill", BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  console=render.console(stderr=True), transient=True) as bar:
+        task = bar.add_task("prefill", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 # --- inspect attention: terminal ----------------------------------------------------------------
@@ -244,10 +238,13 @@ def show_attention(report: AttentionReport) -> None:
     out = render.console()
     out.soft_wrap = True
     info, m = report.info, report.map
+    n_doc, n_prompt = info.get("document_tokens", 0), info.get("prompt_tokens", 0)
+    cached = " (from the prompt cache)" if info.get("source") == "cache" else ""
     out.print(f"model {escape(str(info.get('model', '')))}, profile "
-              f"{escape(str(info.get('profile', '')))}: {info.get('document_tokens', 0):,} "
-              f"document + {info.get('prompt_tokens', 0) - info.get('document_tokens', 0):,} "
-              f"question tokens, {report.steps} answer tokens observed")
+              f"{escape(str(info.get('profile', '')))}: {n_doc:,} document tokens{cached} + "
+              f"{n_prompt - n_doc:,} question tokens, {report.steps} answer tokens observed")
+    if info.get("note"):
+        out.print(f"[yellow]{escape(str(info['note']))}[/]")
     table = Table("layer", "recall", "worst step", "reuse recall", "overlap", "blocks read")
     for x in report.layers:
         style = "red" if x.recall < 0.8 else ("yellow" if x.recall < 0.95 else "")

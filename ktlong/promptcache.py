@@ -417,3 +417,35 @@ def load_conversation(lm: LoadedModel, settings: Settings, name: str,
     session = Session(lm, settings, store=store, tokens=ids)
     session.extend_to(ids)
     return session
+
+
+def list_entries(settings: Settings, cache_dir: Path | None = None) -> list[dict[str, Any]]:
+    """One row per entry for `ktlong inspect cache`."""
+    cache = open_cache(settings, cache_dir)
+    rows = []
+    for kind in ("entries", "saved"):
+        for e in cache.entries(kind):
+            h = e.header
+            rows.append({"key": e.key, "kind": "document" if kind == "entries" else "saved",
+                         "model": h.get("model_path", "?"), "tokens": h.get("n_tokens"),
+                         "kv_type": h.get("content", {}).get("kv_type"), "bytes": e.size,
+                         "created": h.get("created"), "last_used": e.last_used,
+                         "path": str(e.path), "ok": bool(h)})
+    return rows
+
+
+def remove_entries(settings: Settings, which: list[str],
+                   cache_dir: Path | None = None) -> list[str]:
+    """Remove entries by key prefix or saved name ('all' removes every one); returns the keys."""
+    cache = open_cache(settings, cache_dir)
+    every = cache.entries() + cache.entries("saved")
+    gone = []
+    for w in which:
+        hits = [e for e in every if w == "all" or e.key.startswith(w)]
+        if not hits:
+            raise KtlongError(f"no prompt-cache entry matches '{w}'",
+                              hint="`ktlong inspect cache` lists them")
+        for e in hits:
+            e.path.unlink(missing_ok=True)
+            gone.append(e.key)
+    return sorted(set(gone))

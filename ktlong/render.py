@@ -83,3 +83,27 @@ def settings(resolved: Any, explain: bool, keys: list[str] | None = None) -> Non
         table.add_row(key, escape(value), shown, *map(escape, extra))
     out.print(table)
     out.print(f"config file: {escape(str(resolved.config_file))}")
+
+
+def cache_entries(rows: list[dict[str, Any]], removed: list[str]) -> None:
+    """`ktlong inspect cache`: the prompt-cache entries as a table."""
+    import time
+
+    out = console()
+    for key in removed:
+        out.print(f"removed {key}")
+    if not rows:
+        out.print("the prompt cache is empty")
+        return
+    table = Table(title="prompt cache")
+    for col in ("key", "kind", "model", "tokens", "kv", "size", "created", "last used"):
+        table.add_column(col, justify="right" if col in ("tokens", "size") else "left")
+
+    def when(t: float | None) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "?"
+
+    for r in rows:
+        table.add_row(r["key"][:12], r["kind"] + ("" if r["ok"] else " (damaged)"),
+                      escape(str(r["model"])), f"{r['tokens'] or 0:,}", str(r["kv_type"]),
+                      memory.gb(r["bytes"]), when(r["created"]), when(r["last_used"]))
+    out.print(table)

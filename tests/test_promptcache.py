@@ -192,3 +192,24 @@ def test_lru_eviction_keeps_the_cache_under_its_cap(lm, tmp_path):
         open_document(lm, st, _ids(lm, 500, seed=seed), cache_dir=tmp_path)
     entries = open_cache(st, tmp_path).entries()
     assert len(entries) == 1 and entries[0].header["n_tokens"] == 500
+
+
+def test_inspect_cache_lists_and_removes_entries(lm, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    opened = open_document(lm, settings(), _ids(lm, 600), cache_dir=tmp_path)
+    key = opened.entry.stem
+    run = CliRunner().invoke(app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--json"])
+    assert run.exit_code == 0, run.output
+    (row,) = json.loads(run.output)["entries"]
+    assert row["key"] == key and row["tokens"] == 600 and row["bytes"] > 0
+    run = CliRunner().invoke(app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove",
+                                   key[:8]])
+    assert run.exit_code == 0 and f"removed {key}" in run.output
+    assert not opened.entry.exists()
+    run = CliRunner().invoke(app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove", "zz"])
+    assert run.exit_code == 2 and "no prompt-cache entry matches" in run.output
