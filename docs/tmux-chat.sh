@@ -27,7 +27,7 @@ open(doc, "w").write(filler_text(6000, seed=7))
 EOF
 
 CMD="$PY -m ktlong chat --model $MODEL --prompt-file $WORK/book.txt --profile dense"
-CMD="$CMD --max-seq-len 16384 --max-new-tokens 300 --temperature 0.8 --seed 1"
+CMD="$CMD --max-seq-len 16384 --max-new-tokens 60 --temperature 0.8 --seed 1"
 tmux new-session -d -s "$SESSION" -x 120 -y 45 "$CMD; echo \"[ktlong exited with \$?]\"; sleep 300"
 
 screen() { tmux capture-pane -p -t "$SESSION" -S -200 | sed -e :a -e '/^\n*$/{$d;N;ba' -e '}'; }
@@ -49,11 +49,11 @@ show "after start: progress bar, document line, banner, prompt" 20
 keys '/help' Enter
 wait_for '/exit' 2
 keys 'What is the hidden key?' Enter
-wait_for 'of blocks attended' 1
+wait_for 'tok/s · prompt' 1
 show "first answer streamed, then the dim stats line" 12
 
 keys 'Two lines,' Escape Enter 'then a third \' Enter 'line.' Enter
-wait_for 'of blocks attended' 2
+wait_for 'tok/s · prompt' 2
 show "multiline question (Esc Enter, trailing backslash) and its answer" 14
 
 keys '/stats' Enter

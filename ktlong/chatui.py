@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
 from rich.text import Text
 
 from ktlong.errors import KtlongError
@@ -27,8 +28,15 @@ from ktlong.errors import KtlongError
 STOPS = {"max_new_tokens": "stopped at max_new_tokens", "interrupted": "stopped by Ctrl-C; "
          "the partial answer stays in the conversation", "context_full": "stopped: the context "
          "is full (max_seq_len); /reset or raise max_seq_len"}
-KEYS = ("Enter sends · Esc Enter or a trailing \\ for a new line · Ctrl-C stops an answer · "
-        "Ctrl-D or /exit leaves")
+KEYS = ("Enter sends · Esc Enter or a trailing \\ adds a line · Ctrl-C stops an answer · "
+        "Ctrl-D leaves")
+# C0/C1 control characters (but tab and newline) from the model are shown as U+FFFD: a stray
+# escape sequence in an answer must not move the cursor or recolour the terminal
+_CONTROLS = {c: "\ufffd" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (9, 10)}
+
+
+def printable(text: str) -> str:
+    return text.translate(_CONTROLS)
 
 
 def size(n: float) -> str:
@@ -113,9 +121,10 @@ class TerminalUI:
     def token(self, step: Any) -> None:
         if self.json or not step.text:
             return
-        self.out.file.write(step.text)
+        text = printable(step.text)
+        self.out.file.write(text)
         self.out.file.flush()
-        self._col = 0 if step.text.endswith("\n") else self._col + len(step.text)
+        self._col = 0 if text.endswith("\n") else self._col + len(text)
 
     def answer_end(self, loop: Any, answer: Any) -> None:
         if self.json:
@@ -140,10 +149,12 @@ class TerminalUI:
                        + (f" [dim]({escape(e.hint)})[/]" if e.hint else ""))
 
     def help(self, commands: dict[str, Any]) -> None:
+        table = Table.grid(padding=(0, 2))
         for c in commands.values():
-            self.out.print(f"  [bold]{c.name}[/] {escape(c.usage):<9} {escape(c.help)}")
-        self.out.print(f"[dim]{KEYS}. Ctrl-C on an empty prompt also leaves. A line starting "
-                       "with // sends a question that starts with /.[/]")
+            table.add_row(Text(f"{c.name} {c.usage}".rstrip(), style="bold"), c.help)
+        self.out.print(table)
+        self.out.print(f"[dim]{KEYS} (so does Ctrl-C on an empty prompt). A line starting with "
+                       "// sends a question that starts with /.[/]")
 
     def stats(self, loop: Any) -> None:
         s, st = loop.session, loop.settings
@@ -164,11 +175,11 @@ class TerminalUI:
 def stats_line(a: Any, capacity: int) -> str:
     """The dim line after an answer: speeds, sizes, share of blocks attended, why it stopped."""
     st = a.stats
-    parts = [f"{st.new_tokens} tokens at {st.decode_tok_s:.1f} tok/s",
-             f"prompt {len(a.prompt_ids):,} tokens ({a.prefilled_tokens:,} new at "
+    parts = [f"{st.new_tokens} tokens, {st.decode_tok_s:.1f} tok/s",
+             f"prompt {len(a.prompt_ids):,} ({a.prefilled_tokens:,} new, "
              f"{a.prefill_tok_s:,.0f} tok/s)",
              f"context {st.context_tokens:,}/{capacity:,}", f"KV {size(st.kv_bytes)}",
-             f"{st.attended_share:.0%} of blocks attended"]
+             f"{st.attended_share:.0%} of blocks read"]
     if a.stop in STOPS:
         parts.append(STOPS[a.stop])
     return " · ".join(parts)

@@ -96,7 +96,8 @@ app = typer.Typer(name="ktlong", cls=_Group, no_args_is_help=True, add_completio
                   pretty_exceptions_show_locals=False,
                   help="Chat with a local LLM about very long documents (128K-1M tokens) using "
                        "block-sparse CPU attention.")
-inspect_app = typer.Typer(no_args_is_help=True, help="Show settings, models and caches.")
+inspect_app = typer.Typer(no_args_is_help=True,
+                          help="Show settings, models, prompt caches and what sparse attention reads.")
 bench_app = typer.Typer(no_args_is_help=True, help="Measure speed.")
 app.add_typer(inspect_app, name="inspect")
 app.add_typer(bench_app, name="bench")
@@ -199,6 +200,34 @@ def chat(model: ModelOpt = None,
                         use_cache=not no_cache, cache_dir=cdir)
     if code:
         raise typer.Exit(code)
+
+
+@app.command()
+def prefill(model: ModelOpt = None,
+            prompt_file: Annotated[str, typer.Option(
+                "--prompt-file", "-f", metavar="FILE|-", show_default=False,
+                help="The document (UTF-8 text; - reads stdin).")] = "",
+            profile: ProfileOpt = None, sets: SetOpt = None,
+            system: Annotated[str | None, typer.Option(
+                "--system", metavar="TEXT", show_default=False,
+                help="System prompt (use the same one with chat).")] = None,
+            encoding: Annotated[str | None, typer.Option(
+                metavar="NAME", show_default=False, help="Text encoding of the document.")] = None,
+            cache_dir: Annotated[Path | None, typer.Option(
+                "--cache-dir", metavar="DIR", show_default=False,
+                help="The prompt cache folder (default: KTLONG_HOME/cache).")] = None,
+            max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
+            device: DeviceOpt = None, threads: ThreadsOpt = None,
+            as_json: JsonOpt = False) -> None:
+    """Prefill a document once and keep its KV cache on disk: later chats on it start at once."""
+    if not prompt_file:
+        raise KtlongError("no document given", hint="pass --prompt-file FILE (or - for stdin)")
+    from ktlong.prefill import run
+
+    res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
+                  threads_num=threads)
+    run(model, prompt_file, res.settings, system=system, encoding=encoding, cache_dir=cache_dir,
+        as_json=as_json)
 
 
 # --- inspect ------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def to_storage(x: torch.Tensor, kv_type: str) -> np.ndarray:
 def from_storage(a: np.ndarray, kv_type: str) -> torch.Tensor:
     """Numpy storage array -> float32 torch tensor of the same shape (a copy)."""
     if kv_type == "FP32":
-        return torch.from_numpy(np.ascontiguousarray(a))
+        return torch.from_numpy(np.array(a, dtype=np.float32))  # always a copy (a may be read-only)
     _, tdtype, _ = KV_TYPES[kv_type]
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(tdtype).float()
 

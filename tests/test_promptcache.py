@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 import time
 
 import numpy as np
@@ -213,3 +214,28 @@ def test_inspect_cache_lists_and_removes_entries(lm, tmp_path):
     assert not opened.entry.exists()
     run = CliRunner().invoke(app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove", "zz"])
     assert run.exit_code == 2 and "no prompt-cache entry matches" in run.output
+
+
+def test_prefill_command_writes_the_entry_a_chat_then_maps(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    model = hf_model("llama", qk_scale=4.0)
+    doc = tmp_path / "book.txt"
+    doc.write_text(filler_text(700, seed=11))
+    base = ["--model", str(model), "--prompt-file", str(doc), "--cache-dir", str(tmp_path / "c"),
+            "--kv-type", "FP32", "--set", "max_seq_len=4096", "--set", "block_size=16",
+            "--set", "init_len=16", "--set", "local_windows_len=64"]
+    run = CliRunner().invoke(app, ["prefill", *base, "--json"])
+    assert run.exit_code == 0, run.output
+    out = json.loads(run.output[run.output.index("{"):])  # after the progress bar (stderr)
+    assert out["source"] == "prefill" and Path(out["entry"]).exists() and out["tokens"] > 700
+    chat = CliRunner().invoke(app, ["chat", *base, "--question", "What is the key?", "--json",
+                                    "--max-new-tokens", "4"])
+    assert chat.exit_code == 0, chat.output
+    assert "from the prompt cache" in chat.output or '"source": "cache"' in chat.output
+    missing = CliRunner().invoke(app, ["prefill", "--model", str(model)])
+    assert missing.exit_code == 2 and "no document given" in missing.output
