@@ -47,7 +47,7 @@ wait_for '>>>' 1 300
 show "after start: progress bar, document line, banner, prompt" 20
 
 keys '/help' Enter
-wait_for '/exit' 2
+wait_for 'leave (or Ctrl-D)' 1
 keys 'What is the hidden key?' Enter
 wait_for 'tok/s · prompt' 1
 show "first answer streamed, then the dim stats line" 12

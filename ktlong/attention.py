@@ -9,6 +9,7 @@ KVStore and computes attention from the store:
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,8 +41,12 @@ def register_attention() -> None:
 class AttentionRouter:
     """Per-session state the attention function needs: store, policy, mode, captured queries."""
 
-    def __init__(self, store: KVStore, policy: Any, device: torch.device) -> None:
+    def __init__(self, store: KVStore, policy: Any, device: torch.device,
+                 local_device: torch.device | None = None) -> None:
         self.store, self.policy, self.device = store, policy, device
+        # decode: the local window attends on this device (the GPU) while the CPU kernel reads
+        # the init + selected blocks; the two partial results merge by log-sum-exp
+        self.local = LocalWindow(store, local_device) if local_device is not None else None
         self.sparse = False  # set by the engine for each forward
         self.capture = 0  # keep the last `capture` queries of each layer (for votes / anchors)
         self.captured: dict[int, torch.Tensor] = {}  # layer -> [Hq, W, d] float32 (cpu)
@@ -63,6 +68,8 @@ class AttentionRouter:
             qc = q.detach().float().cpu()
             self.captured[layer] = (qc if prev is None else torch.cat([prev, qc], 1))[:, -self.capture:]
         if self.sparse:
+            if self.local is not None:
+                return self._sparse_split(layer, q, k, v, start, scale)
             return self._sparse(layer, q, start, scale)
         if self.device.type == "cuda":
             self._mirror(layer, k, v, start)
@@ -135,3 +142,101 @@ class AttentionRouter:
                                          n_tokens, np.float32(scale), self.store.kv_kind)
             out[:, i] = o
         return torch.from_numpy(out).to(q.device)
+
+    def _sparse_split(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      start: int, scale: float) -> torch.Tensor:
+        """Like `_sparse`, with the local window on `self.local.device`, overlapped with the CPU."""
+        from ktlong import kernels
+
+        Hq, L, d = q.shape
+        bs = self.store.shape.block_size
+        qn = q.detach().float().cpu().numpy()  # [Hq, L, d]
+        out = torch.empty((Hq, L, d), dtype=torch.float32, device=q.device)
+        k_base, v_base, k_tail, v_tail, nb_base = self.store.kernel_args(layer)
+        for i in range(L):
+            n_tokens = start + i + 1
+            qi = np.ascontiguousarray(qn[:, i])  # [Hq, d]
+            blocks = self.policy.select(layer, qi, n_tokens)  # [S, n] int32
+            local0 = self.policy.last_local0
+            cut = blocks.shape[1] - (-(-n_tokens // bs) - local0)  # columns before the window
+            cpu_blocks = np.ascontiguousarray(blocks[:, :cut])
+            job = None
+            if cut > 0:
+                job = _POOL.submit(kernels.attend_blocks, qi, k_base, v_base, k_tail, v_tail,
+                                   nb_base, cpu_blocks, n_tokens, np.float32(scale),
+                                   self.store.kv_kind)
+            o_dev, lse_dev = self.local.attend(layer, q[:, i], local0 * bs, n_tokens, scale,
+                                               k[:, : i + 1], v[:, : i + 1], start)
+            if job is None:
+                out[:, i] = o_dev.to(out.device)
+                continue
+            o_cpu, lse_cpu = job.result()
+            o, _ = kernels.merge_partials(o_cpu, lse_cpu, o_dev.cpu().numpy(),
+                                          lse_dev.cpu().numpy())
+            out[:, i] = torch.from_numpy(o).to(out.device)
+        return out
+
+
+class LocalWindow:
+    """The newest tokens of every layer kept on a device for the local window's attention.
+
+    Per layer a `[Hkv, cap, d]` buffer (KV dtype) holding tokens [first, first + n): appended to
+    as tokens arrive, compacted to the window when full, and rebuilt from the store when it does
+    not reach back far enough (after a prefill or a cache load).
+    """
+
+    def __init__(self, store: KVStore, device: torch.device) -> None:
+        self.store, self.device = store, device
+        self.tdtype = KV_TYPES[store.shape.kv_type][1]
+        self.buf: dict[int, list[Any]] = {}  # layer -> [k_buf, v_buf, first, n]
+
+    def _rebuild(self, layer: int, t0: int, n_tokens: int) -> None:
+        k, v = self.store.token_range(layer, t0, n_tokens)  # [Hkv, T, d] f32
+        H, T, d = k.shape
+        kb = torch.empty((H, max(2 * T, 256), d), dtype=self.tdtype, device=self.device)
+        vb = torch.empty_like(kb)
+        kb[:, :T], vb[:, :T] = k.to(self.device), v.to(self.device)
+        self.buf[layer] = [kb, vb, t0, T]
+
+    def _advance(self, layer: int, t0: int, n_tokens: int, k_new: torch.Tensor,
+                 v_new: torch.Tensor, new_start: int) -> bool:
+        """Bring the buffer up to `n_tokens` from this forward's tokens; False if it cannot."""
+        entry = self.buf.get(layer)
+        if entry is None:
+            return False
+        kb, vb, first, n = entry
+        if first > t0 or not new_start <= first + n <= n_tokens:
+            return False
+        add, j = n_tokens - (first + n), first + n - new_start
+        if n + add > kb.shape[1]:  # full: keep only the window
+            drop = t0 - first
+            kb[:, : n - drop] = kb[:, drop:n].clone()
+            vb[:, : n - drop] = vb[:, drop:n].clone()
+            first, n = t0, n - drop
+            if n + add > kb.shape[1]:
+                return False
+        kb[:, n:n + add] = k_new[:, j:j + add].to(self.device, self.tdtype)
+        vb[:, n:n + add] = v_new[:, j:j + add].to(self.device, self.tdtype)
+        entry[2:] = [first, n + add]
+        return True
+
+    def attend(self, layer: int, q: torch.Tensor, t0: int, n_tokens: int, scale: float,
+               k_new: torch.Tensor, v_new: torch.Tensor, new_start: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[Hq, d]` over tokens [t0, n_tokens) -> (out `[Hq, d]`, lse `[Hq]`) on the device.
+
+        `k_new, v_new` `[Hkv, m, d]` are this forward's tokens from `new_start` (already stored).
+        """
+        if not self._advance(layer, t0, n_tokens, k_new, v_new, new_start):
+            self._rebuild(layer, t0, n_tokens)
+        kb, vb, first, n = self.buf[layer]
+        kw, vw = kb[:, t0 - first:n].float(), vb[:, t0 - first:n].float()  # [Hkv, T, d]
+        Hkv, Hq = kw.shape[0], q.shape[0]
+        qg = (q.float().to(self.device) * scale).reshape(Hkv, Hq // Hkv, -1)  # [Hkv, g, d]
+        s = torch.bmm(qg, kw.transpose(1, 2))  # [Hkv, g, T]
+        lse = torch.logsumexp(s, -1)  # [Hkv, g]
+        o = torch.bmm(torch.exp(s - lse[..., None]), vw)  # [Hkv, g, d]
+        return o.reshape(Hq, -1), lse.reshape(Hq)
+
+
+_POOL = ThreadPoolExecutor(1, "ktlong-cpu-attn")  # the CPU kernel runs here during the GPU part

@@ -83,7 +83,8 @@ class Session:
         self.store = store or KVStore(shape, settings.max_seq_len)
         self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
         self.policy = SelectionPolicy(settings, spec, self.store)
-        self.router = AttentionRouter(self.store, self.policy, lm.device)
+        local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
+        self.router = AttentionRouter(self.store, self.policy, lm.device, local)
         self.stats = Stats()
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
         threads = settings.threads_num or os.cpu_count() or 1

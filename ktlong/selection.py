@@ -35,6 +35,7 @@ class SelectionPolicy:
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
         self._preselect_upto = 0  # blocks complete when the vote was taken
         self._dynamic_upto = [0] * spec.n_layers  # blocks with DYNAMIC (vote-based) anchors
+        self.last_local0 = 0
         self.reset_counters()
 
     # --- budget ------------------------------------------------------------------------------
@@ -57,10 +58,11 @@ class SelectionPolicy:
     def select(self, layer: int, q: np.ndarray, n_tokens: int) -> np.ndarray:
         """q `[Hq, d]` f32 of the token at position n_tokens - 1 -> blocks `[S, n]` int32."""
         nb = -(-n_tokens // self.bs)
+        local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs  # first local block
+        self.last_local0 = local0  # blocks >= this are the local window (GPU-side when enabled)
         if self.dense or layer < self.s.dense_layer_num or nb <= self.budget_blocks():
             self._count(nb, nb)
             return np.arange(nb, dtype=np.int32)[None]
-        local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs  # first local block
         group = layer // self.s.layer_step
         cached = self._groups.get(group)
         if cached is None or (layer % self.s.layer_step == 0 and n_tokens % self.s.token_step == 0):
@@ -69,6 +71,7 @@ class SelectionPolicy:
         else:
             chosen, then = cached
             local0 = min(local0, then)  # blocks that left the local window since stay attended
+            self.last_local0 = local0
         S = chosen.shape[0]
         init = np.broadcast_to(np.arange(self.n_init, dtype=np.int32), (S, self.n_init))
         local = np.broadcast_to(np.arange(local0, nb, dtype=np.int32), (S, nb - local0))

@@ -226,7 +226,7 @@ def test_template_fallbacks(lm) -> None:
         "<|user|>Be brief.\n\nThe doc.\n\nQ?<|end|><|assistant|>"
 
 
-# --- the command -----------------------------------------------------------------------------------
+# --- the command ------------------------------------------------------------------------------
 
 TINY = ["--profile", "dense", "--kv-type", "FP32", "--max-seq-len", "4096", "-n", str(NEW)]
 

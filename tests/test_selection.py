@@ -114,3 +114,31 @@ def test_profile_runs_end_to_end(profile):
         assert share == 1.0
     else:
         assert 0 < share < 1.0, f"{profile} read every block"
+
+
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_local_window_on_a_device_merges_to_the_single_kernel_result(mode):
+    """The GPU local-window path (forced onto the CPU here) equals the one-kernel path.
+
+    300 decode steps on one layer exercise the split of each step's blocks, the device copy of
+    the window (rebuilt after prefill, appended to, compacted when full) and the LSE merge.
+    """
+    import torch
+
+    from ktlong.attention import LocalWindow
+
+    s = _session(anchor_type="MEAN", head_select_mode=mode, kv_type="BF16")
+    router = s.router
+    router.local = LocalWindow(s.store, torch.device("cpu"))
+    spec, g = s.lm.spec, torch.Generator().manual_seed(0)
+    worst = 0.0
+    for _ in range(300):
+        q = torch.randn(spec.n_heads, 1, spec.head_dim, generator=g)
+        k, v = (torch.randn(spec.n_kv_heads, 1, spec.head_dim, generator=g) for _ in range(2))
+        start = s.store.write(0, k, v)
+        one = router._sparse(0, q, start, 0.25)
+        split = router._sparse_split(0, q, k, v, start, 0.25)
+        worst = max(worst, (one - split).abs().max().item())
+    assert worst < 1e-5
+    kb, _, first, n = router.local.buf[0]
+    assert first > 0 and n <= kb.shape[1]  # the window moved on and was compacted

@@ -1,0 +1,267 @@
+"""Train the built-in demo model: `python -m ktlong.demo.train --seed 0 [--out DIR]`.
+
+A small Llama (GQA: 6 query heads, 2 KV heads) learns to answer questions about facts hidden in
+filler documents (ktlong.demo.tasks), with the loss on the answers only. Documents are short
+(256-2048 tokens) so training fits a 2-core CPU in under an hour; length generalisation comes from
+the position ids: most documents get "position jumps" at a few sentence boundaries, so the
+distance between a fact and its question ranges up to 1M positions while every sentence, the
+question and the answer stay contiguous (local order is never disturbed, unlike fully random
+position ids). RoPE base 1e6 keeps low-frequency channels nearly still over those distances.
+
+Reproducible from `--seed`: data comes from per-sample seeds, the step count is fixed. Checkpoints
+(`--work DIR/ckpt.pt`) are written every `--save-every` steps; `--resume` continues one.
+The result is exported as an HF folder (fp16 safetensors, tokenizer, chat template) + a GGUF file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ktlong.conversation import Conversation, Turn
+from ktlong.demo import tasks
+
+MODEL_DIR = Path(__file__).parent / "model"
+GGUF_NAME = "ktlong-demo.gguf"
+SPECIAL = ["<|bos|>", "<|end|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CONFIG = dict(hidden=192, layers=4, heads=6, kv_heads=2, head_dim=32, intermediate=512,
+              rope_theta=1e6, max_positions=1 << 20)
+LENGTHS = (256, 512, 768, 1024, 1536, 2048)  # document tokens; batches share one length
+BATCH_TOKENS = 4096
+
+
+# --- tokenizer -----------------------------------------------------------------------------------
+def build_tokenizer(vocab_size: int = 1280) -> Any:
+    """Byte-level BPE over the task vocabulary; digits are always single tokens (copying)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    rng = random.Random(1234)
+    corpus = [" ".join(tasks.filler_sentence(rng) for _ in range(20)) for _ in range(300)]
+    words = tasks.FILLER + tasks.KEYS + tasks.CITIES + list(tasks.VERBS)
+    corpus += [" ".join(w.capitalize() if i % 2 else w for i, w in enumerate(words))] * 20
+    for i in range(400):
+        s = tasks.make_sample(i, 0)
+        corpus += [f.sentence + " " + f.question + " " + f.answer for f in s.facts]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(tok: Any, seed: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = CONFIG
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=c["hidden"], intermediate_size=c["intermediate"],
+        num_hidden_layers=c["layers"], num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"], head_dim=c["head_dim"],
+        max_position_embeddings=c["max_positions"], rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+# --- data ----------------------------------------------------------------------------------------
+def encode(tok: Any, sample: tasks.Sample) -> tuple[list[int], list[int], int]:
+    """(ids, loss mask, document prefix length) rendered exactly as `ktlong chat` renders them."""
+    conv = Conversation(tok, sample.document)
+    ids: list[int] = []
+    mask: list[int] = []
+    end = tok.convert_tokens_to_ids("<|end|>")
+    for f in sample.asked:
+        p = conv.prompt_ids(f.question)
+        assert p[: len(ids)] == ids, "chat template is not prefix-stable"
+        ans = tok(f.answer, add_special_tokens=False)["input_ids"]
+        mask += [0] * (len(p) - len(ids)) + [1] * (len(ans) + 1)
+        ids = p + ans + [end]
+        conv.turns.append(Turn(f.question, ans, f.answer))
+    return ids, mask, len(conv.document_ids())
+
+
+def position_ids(rng: random.Random, tok: Any, sample: tasks.Sample, n: int, doc_len: int,
+                 jump_p: float = 0.7, max_span: float = 1e6) -> list[int]:
+    """0..n-1, plus jumps at a few filler sentence starts (never inside or next to a fact)."""
+    pos = list(range(n))
+    if rng.random() > jump_p:
+        return pos
+    head = Conversation(tok, "").document_ids()
+    doc = sample.document
+    guard = []
+    for f in sample.facts:
+        at = doc.find(f.sentence)
+        guard.append((at - 2, at + len(f.sentence) + 2))
+    starts = [i + 1 for i, ch in enumerate(doc) if ch in " \n" and i > 0 and doc[i - 1] == "."]
+    starts = [c for c in starts if not any(a <= c <= b for a, b in guard)]
+    if not starts:
+        return pos
+    enc = tok(tok.decode(head) + doc, add_special_tokens=False, return_offsets_mapping=True)
+    shift = len(tok.decode(head))
+    offs = [o[0] - shift for o in enc["offset_mapping"]]
+    k = rng.randint(1, 8)
+    cuts = sorted(rng.sample(starts, min(k, len(starts))))
+    span = math.exp(rng.uniform(math.log(1e3), math.log(max_span)))
+    w = [rng.expovariate(1.0) for _ in cuts]
+    gaps = [int(span * x / sum(w)) for x in w]
+    import bisect
+
+    extra, j = 0, 0
+    tok_cuts = [min(bisect.bisect_left(offs, c - 1), doc_len - 1) for c in cuts]
+    for i in range(n):
+        while j < len(tok_cuts) and tok_cuts[j] <= i:
+            extra += gaps[j]
+            j += 1
+        pos[i] += extra
+    return pos
+
+
+def make_batch(tok: Any, seed: int, step: int, length: int | None = None,
+               jump_p: float = 0.7) -> tuple[torch.Tensor, ...]:
+    rng = random.Random(seed * 1_000_003 + step)
+    length = length or rng.choice(LENGTHS)
+    per = max(1, BATCH_TOKENS // (length + 40))
+    rows = []
+    for _ in range(per):
+        s = tasks.make_sample(rng.randrange(2**31), length)
+        ids, mask, doc_len = encode(tok, s)
+        rows.append((ids, mask, position_ids(rng, tok, s, len(ids), doc_len, jump_p)))
+    n = max(len(r[0]) for r in rows)
+    pad = tok.pad_token_id
+    ids = torch.tensor([r[0] + [pad] * (n - len(r[0])) for r in rows])
+    mask = torch.tensor([r[1] + [0] * (n - len(r[1])) for r in rows])
+    pos = torch.tensor([r[2] + list(range(r[2][-1] + 1, r[2][-1] + 1 + n - len(r[2])))
+                        for r in rows])
+    return ids, mask, pos  # right padding: causal attention never sees it
+
+
+def loss_fn(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    h = model.model(input_ids=ids, position_ids=pos).last_hidden_state  # [B, n, hidden]
+    sel = mask[:, 1:].bool()  # predict token t+1 from t where t+1 is an answer token
+    logits = model.lm_head(h[:, :-1][sel])  # [m, vocab]
+    return torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][sel])
+
+
+@torch.no_grad()
+def quick_eval(model: Any, tok: Any, n: int = 16, length: int = 2048, seed: int = 99) -> float:
+    """Share of answer tokens predicted right (teacher forcing) on fresh documents, no jumps."""
+    model.eval()
+    right = total = 0
+    for i in range(n // 4):
+        ids, mask, pos = make_batch(tok, seed, 10_000 + i, length, jump_p=0.0)
+        h = model.model(input_ids=ids, position_ids=pos).last_hidden_state
+        sel = mask[:, 1:].bool()
+        pred = model.lm_head(h[:, :-1][sel]).argmax(-1)
+        right += int((pred == ids[:, 1:][sel]).sum())
+        total += int(sel.sum())
+    model.train()
+    return right / max(total, 1)
+
+
+# --- export --------------------------------------------------------------------------------------
+def export(model: Any, tok: Any, out: Path, gguf: bool = True) -> None:
+    """HF folder with fp16 weights (config says float32: ktlong computes in fp32 on CPU)."""
+    import copy
+
+    out.mkdir(parents=True, exist_ok=True)
+    m = copy.deepcopy(model).to(torch.float16)
+    m.generation_config.eos_token_id = [tok.eos_token_id]
+    m.generation_config.bos_token_id = tok.bos_token_id
+    m.generation_config.pad_token_id = tok.pad_token_id
+    m.save_pretrained(out)
+    tok.save_pretrained(out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    if gguf:
+        from ktlong.tinymodel import write_gguf
+
+        write_gguf(out, out / GGUF_NAME, "F16")
+
+
+# --- main ----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=1200)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=Path("demo-train"))
+    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--resume", action="store_true")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    a.work.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    model = make_model(tok, a.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.05)
+    warm = min(60, a.steps // 10)
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return a.lr * (step + 1) / warm
+        return a.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (step - warm) / (a.steps - warm))))
+
+    start, spent = 0, 0.0
+    ckpt = a.work / "ckpt.pt"
+    if a.resume and ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        start, spent = st["step"], st["spent"]
+        print(f"resumed at step {start}", flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params / 1e6:.2f}M vocab {len(tok)} steps {a.steps}", flush=True)
+    model.train()
+    t0, ema = time.time() - spent, None
+    for step in range(start, a.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        ids, mask, pos = make_batch(tok, a.seed, step)
+        loss = loss_fn(model, ids, mask, pos)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+        if step % 20 == 0:
+            print(f"step {step} len {ids.shape[1]} loss {float(loss):.3f} ema {ema:.3f} "
+                  f"lr {lr_at(step):.2e} t {time.time() - t0:.0f}s", flush=True)
+        if (step + 1) % a.save_every == 0 or step + 1 == a.steps:
+            acc = quick_eval(model, tok)
+            print(f"eval step {step + 1} answer-token acc {acc:.3f}", flush=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
+                        "spent": time.time() - t0}, a.work / "ckpt.tmp")
+            (a.work / "ckpt.tmp").replace(ckpt)
+            export(model, tok, a.work / "latest", gguf=False)
+    export(model, tok, a.out)
+    print(f"done in {time.time() - t0:.0f}s; model in {a.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
