@@ -34,6 +34,7 @@ test:
 
 demo:
 	ktlong memcheck
+	ktlong chat --demo --question "What is the pass key?"
 
 bench:
 	ktlong bench decode

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Drive `ktlong chat`'s real terminal UI under tmux (send-keys, capture-pane) and print what the
 # screen showed at each step: progress bar, prompt, streamed answers, stats lines, multiline input
-# (Esc Enter and a trailing backslash), slash commands, Ctrl-C during an answer, Ctrl-C to leave.
+# (Esc Enter and a trailing backslash), slash commands, Ctrl-C during an answer, Ctrl-C twice to
+# leave.
 #
 #   docs/tmux-chat.sh [MODEL]     # default: a tiny random model built in a temp folder
 #
@@ -27,7 +28,7 @@ open(doc, "w").write(filler_text(6000, seed=7))
 EOF
 
 CMD="$PY -m ktlong chat --model $MODEL --prompt-file $WORK/book.txt --profile dense"
-CMD="$CMD --max-seq-len 16384 --max-new-tokens 60 --temperature 0.8 --seed 1"
+CMD="$CMD --max-seq-len 16384 --max-new-tokens 200 --temperature 0.8 --seed 1"
 tmux new-session -d -s "$SESSION" -x 120 -y 45 "$CMD; echo \"[ktlong exited with \$?]\"; sleep 300"
 
 screen() { tmux capture-pane -p -t "$SESSION" -S -200 | sed -e :a -e '/^\n*$/{$d;N;ba' -e '}'; }
@@ -63,7 +64,7 @@ wait_for 'unknown command' 1
 show "/stats and an unknown command" 10
 
 keys 'Tell me everything.' Enter
-sleep 3
+sleep 1.5
 keys C-c
 wait_for 'stopped by Ctrl-C' 1
 keys '/reset' Enter
@@ -73,10 +74,13 @@ show "Ctrl-C during an answer keeps the chat; /reset" 10
 keys 'half-typed line'
 sleep 0.5
 keys C-c
-sleep 0.5
-show "Ctrl-C with text at the prompt clears the line (the chat stays)" 4
+sleep 2.5
+show "Ctrl-C with text at the prompt clears the line (the chat stays)" 3
+keys C-c
+wait_for 'press Ctrl-C again' 1 30
+show "one Ctrl-C at an empty prompt only says how to leave" 3
 keys C-c
 wait_for 'ktlong exited with' 1 30
-show "Ctrl-C at an empty prompt leaves" 4
+show "a second Ctrl-C leaves" 4
 screen | grep -q 'ktlong exited with 130' || { echo "!! expected exit status 130"; exit 1; }
-echo; echo "tmux-chat: every step appeared; exit status 130 after Ctrl-C at the prompt"
+echo; echo "tmux-chat: every step appeared; exit status 130 after Ctrl-C twice at the prompt"

@@ -19,6 +19,16 @@ from ktlong.kvstore import KV_TYPES, KVStore
 from ktlong.model import ATTN_IMPLEMENTATION
 
 TILE_ELEMS = 1 << 24  # max floats in one [Hkv, g*L, T] score tile (64 MB)
+PAST_SEGMENT_ELEMS = 1 << 26  # max floats of past K per fused-kernel call (256 MB)
+# torch's fused CPU flash attention returning (out, logsumexp); private, so looked up defensively
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over two disjoint key sets: out [..., n, d], lse [..., n]."""
+    lse = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None], lse
 
 
 def ktlong_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -101,6 +111,33 @@ class AttentionRouter:
         dk[:, start:start + n], dv[:, start:start + n] = k.to(tdtype), v.to(tdtype)
 
     def _dense(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        if q.device.type == "cpu" and _FLASH_CPU is not None:
+            return self._dense_flash(layer, q, start, scale)
+        return self._dense_tiled(layer, q, start, scale)
+
+    def _dense_flash(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        """torch's fused CPU flash kernel, which also returns the log-sum-exp: the past in
+        segments (GQA folded into query rows, so K is never repeated), then the causal chunk."""
+        Hq, L, d = q.shape
+        Hkv = self.store.shape.n_kv_heads
+        g = Hq // Hkv
+        q = q.float()
+        qf = q.reshape(1, Hkv, g * L, d)  # row j*L + i: head kv*g + j, token i
+        out = lse = None
+        seg = max(1024, PAST_SEGMENT_ELEMS // (Hkv * d))
+        for t0 in range(0, start, seg):
+            k, v = self.store.token_range(layer, t0, min(start, t0 + seg))  # [Hkv, T, d]
+            o, lo = _FLASH_CPU(qf, k[None], v[None], 0.0, False, scale=scale)[:2]
+            out, lse = (o, lo) if out is None else _merge(out, lse, o, lo)
+        k, v = self.store.token_range(layer, start, start + L)  # this chunk: causal square
+        oc, lc = _FLASH_CPU(q[None], k.repeat_interleave(g, 0)[None],
+                            v.repeat_interleave(g, 0)[None], 0.0, True, scale=scale)[:2]
+        oc, lc = oc.reshape(1, Hkv, g * L, d), lc.reshape(1, Hkv, g * L)
+        out, lse = (oc, lc) if out is None else _merge(out, lse, oc, lc)
+        return out.reshape(Hq, L, d)
+
+    def _dense_tiled(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        """Any device: tiles of the past + chunk with an online softmax (no fused kernel)."""
         Hq, L, d = q.shape
         Hkv = self.store.shape.n_kv_heads
         g = Hq // Hkv

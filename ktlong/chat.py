@@ -10,7 +10,9 @@ Every turn renders the whole conversation and calls `Session.extend_to`, which p
 the store lacks (the new turn). Ctrl-C during an answer keeps the partial answer in the
 conversation: what the screen shows is what the model remembers (/reset drops it all).
 
-Slash commands live in `COMMANDS`; add one with the `@command` decorator on a ChatLoop method.
+Slash commands live in `COMMANDS`; add one with the `@command` decorator on a ChatLoop method
+(or a function taking the loop). /save and /load pair the prompt cache's KV with `state()` and
+`resume()`.
 """
 from __future__ import annotations
 
@@ -123,6 +125,25 @@ class ChatLoop:
         self._carry = (st.prompt_tokens, st.prefill_s)
         self.ui.document(self, opened)
 
+    # --- for /save and /load (the prompt cache keeps the KV; this is the rest) --------------------
+    def state(self) -> dict[str, Any]:
+        """The conversation as JSON-able data: what a saved KV store needs beside it to resume."""
+        name = self.document.name if self.document else ""
+        return {"document_name": name, "document": self.conv.document,
+                "system": self.conv.system, "turns": [dataclasses.asdict(t)
+                                                      for t in self.conv.turns]}
+
+    def resume(self, session: Any, state: dict[str, Any], source: str = "cache") -> None:
+        """Continue the conversation `state` (from `state()`) whose KV `session` holds."""
+        text = state["document"]
+        self.document = Document(state["document_name"], text, len(text.encode())) if text \
+            else None
+        self.conv = Conversation(self.lm.tokenizer, text, state["system"])
+        self.conv.turns = [Turn(**t) for t in state["turns"]]
+        self.session, self.source, self.last = session, source, None
+        self.doc_len = len(self.conv.document_ids())
+        self._carry = (0, 0.0)
+
     # --- answering ---------------------------------------------------------------------------
     def ask(self, question: str) -> Iterator[Any]:
         """Append `question` to the conversation and yield the answer's Steps.
@@ -177,6 +198,7 @@ class ChatLoop:
                 self.ui.token(step)
         except KeyboardInterrupt:
             steps.close()
+            self.ui.interrupted()
         if self.last is None:
             self.ui.note("stopped before the answer began; the question was dropped")
             return None
@@ -286,8 +308,8 @@ def run(model: Path | None, prompt_file: str | None, settings: Settings, *,
     if any(not q.strip() for q in questions):
         raise KtlongError("--question is empty", hint="give the question text after --question")
     doc = read_document(prompt_file, encoding) if prompt_file else None
-    read = None if questions else chatui.input_reader(stdin_taken=prompt_file == "-")
     ui = chatui.TerminalUI(as_json=as_json, show_prompt_ids=show_prompt_ids)
+    read = None if questions else chatui.input_reader(ui, stdin_taken=prompt_file == "-")
     try:
         with ui.loading(model):
             lm = load_model(model, settings.device)

@@ -6,12 +6,14 @@ only answers. Consoles honour NO_COLOR and drop colour when not on a terminal.
 
 Input: prompt-toolkit with a history file in the ktlong home. Enter sends; Esc then Enter, or a
 trailing backslash, starts a new line; pasted text keeps its newlines. Ctrl-C clears a line being
-typed, and on an empty prompt ends the chat (exit 130); Ctrl-D on an empty prompt ends it (0).
+typed; on an empty prompt, a second Ctrl-C (after one that stopped an answer or was pressed at the
+prompt, within 2 s) ends the chat with exit 130; Ctrl-D on an empty prompt ends it (0).
 """
 from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +27,10 @@ from rich.text import Text
 
 from ktlong.errors import KtlongError
 
-STOPS = {"max_new_tokens": "stopped at max_new_tokens", "interrupted": "stopped by Ctrl-C; "
-         "the partial answer stays in the conversation", "context_full": "stopped: the context "
-         "is full (max_seq_len); /reset or raise max_seq_len"}
+AGAIN_S = 2.0  # a second Ctrl-C within this many seconds leaves
+STOPS = {"max_new_tokens": "hit max_new_tokens",
+         "interrupted": "stopped by Ctrl-C; the partial answer is kept",
+         "context_full": "context full: /reset, or raise max_seq_len"}
 KEYS = ("Enter sends · Esc Enter or a trailing \\ adds a line · Ctrl-C stops an answer · "
         "Ctrl-D leaves")
 # C0/C1 control characters (but tab and newline) from the model are shown as U+FFFD: a stray
@@ -62,6 +65,7 @@ class TerminalUI:
         self.out = out or Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self.err = err or Console(file=sys.stderr, highlight=False, soft_wrap=True)
         self._col = 0  # characters written on the current answer line
+        self.last_interrupt = -1e9  # time.monotonic() of the last Ctrl-C
 
     # --- loading and prefill -----------------------------------------------------------------
     @contextmanager
@@ -135,9 +139,13 @@ class TerminalUI:
             self.out.file.write("\n")
             self.out.file.flush()
         self._col = 0
-        self.err.print(f"[dim]{escape(stats_line(answer, loop.session.store.capacity))}[/]")
+        self.err.print(f"[dim]{escape(stats_line(answer))}[/]")
 
     # --- messages ----------------------------------------------------------------------------
+    def interrupted(self) -> None:
+        """Ctrl-C stopped an answer: a second one soon after, at the prompt, leaves."""
+        self.last_interrupt = time.monotonic()
+
     def note(self, text: str) -> None:
         if self._col:
             self.out.file.write("\n")
@@ -169,30 +177,29 @@ class TerminalUI:
                        f"{st.temperature}, top_p {st.top_p}, top_k {st.top_k}, max_new_tokens "
                        f"{st.max_new_tokens}")
         if loop.last is not None:
-            self.out.print("last      " + escape(stats_line(loop.last, st.max_seq_len)))
+            self.out.print("last      " + escape(stats_line(loop.last)))
 
 
-def stats_line(a: Any, capacity: int) -> str:
+def stats_line(a: Any) -> str:
     """The dim line after an answer: speeds, sizes, share of blocks attended, why it stopped."""
     st = a.stats
-    parts = [f"{st.new_tokens} tokens, {st.decode_tok_s:.1f} tok/s",
-             f"prompt {len(a.prompt_ids):,} ({a.prefilled_tokens:,} new, "
-             f"{a.prefill_tok_s:,.0f} tok/s)",
-             f"context {st.context_tokens:,}/{capacity:,}", f"KV {size(st.kv_bytes)}",
-             f"{st.attended_share:.0%} of blocks read"]
+    parts = [f"{st.new_tokens} tokens at {st.decode_tok_s:.1f} tok/s",
+             f"prompt {len(a.prompt_ids):,} (new {a.prefilled_tokens:,} at "
+             f"{a.prefill_tok_s:,.0f} tok/s)", f"KV {size(st.kv_bytes)}",
+             f"blocks read {st.attended_share:.0%}"]
     if a.stop in STOPS:
         parts.append(STOPS[a.stop])
     return " · ".join(parts)
 
 
-def input_reader(stdin_taken: bool = False) -> Callable[[], str]:
+def input_reader(ui: TerminalUI, stdin_taken: bool = False) -> Callable[[], str]:
     """A function returning the next line of input (EOFError at the end).
 
     A terminal gets prompt-toolkit (even when stdin carried the document: it reads the tty);
     a piped stdin gives one question per line (a trailing backslash joins lines).
     """
     if sys.stdin.isatty() or (stdin_taken and (sys.stdout.isatty() or sys.stderr.isatty())):
-        return _prompt_reader()
+        return prompt_reader(ui)
     if stdin_taken:
         raise KtlongError("the document came from stdin, and there is no terminal to ask on",
                           hint="pass the questions with --question Q (repeatable)")
@@ -215,8 +222,14 @@ def input_reader(stdin_taken: bool = False) -> Callable[[], str]:
     return read_lines
 
 
-def _prompt_reader() -> Callable[[], str]:
+def prompt_reader(ui: TerminalUI, input: Any = None, output: Any = None) -> Callable[[], str]:
+    """prompt-toolkit input with history and the key bindings in the module docstring.
+
+    Ctrl-C on an empty prompt leaves only if it follows another Ctrl-C (one that stopped an
+    answer, or one pressed at the prompt) within `AGAIN_S`; otherwise it says how to leave.
+    """
     from prompt_toolkit import PromptSession
+    from prompt_toolkit.application import run_in_terminal
     from prompt_toolkit.formatted_text import HTML
     from prompt_toolkit.history import FileHistory
     from prompt_toolkit.input.defaults import create_input
@@ -229,8 +242,7 @@ def _prompt_reader() -> Callable[[], str]:
     @kb.add("enter")
     def _enter(event: Any) -> None:
         buf = event.current_buffer
-        before = buf.document.text_before_cursor
-        if before.endswith("\\") and not buf.document.text_after_cursor.strip():
+        if buf.document.text_before_cursor.endswith("\\") and not buf.document.text_after_cursor:
             buf.delete_before_cursor(1)
             buf.insert_text("\n")
         else:
@@ -244,15 +256,19 @@ def _prompt_reader() -> Callable[[], str]:
     def _interrupt(event: Any) -> None:
         if event.current_buffer.text:
             event.current_buffer.reset()
-        else:
+            return
+        now = time.monotonic()
+        if now - ui.last_interrupt < AGAIN_S:
             event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
+            return
+        ui.last_interrupt = now
+        run_in_terminal(lambda: ui.err.print("[dim]press Ctrl-C again (or Ctrl-D) to leave[/]"))
 
     home = ktlong_home()
     home.mkdir(parents=True, exist_ok=True)
     session: PromptSession[str] = PromptSession(
         history=FileHistory(str(home / "chat_history")), key_bindings=kb, multiline=True,
-        input=create_input(always_prefer_tty=True), prompt_continuation="... ",
-        enable_open_in_editor=False)
+        input=input or create_input(always_prefer_tty=True), output=output,
+        prompt_continuation="... ", enable_open_in_editor=False)
     prompt = HTML("<b><ansicyan>&gt;&gt;&gt;</ansicyan></b> ")
-
     return lambda: session.prompt(prompt)

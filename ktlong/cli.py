@@ -98,7 +98,7 @@ app = typer.Typer(name="ktlong", cls=_Group, no_args_is_help=True, add_completio
                        "block-sparse CPU attention.")
 inspect_app = typer.Typer(no_args_is_help=True,
                           help="Show settings, models, prompt caches and what sparse attention reads.")
-bench_app = typer.Typer(no_args_is_help=True, help="Measure speed.")
+bench_app = typer.Typer(no_args_is_help=True, help="Measure speed and accuracy.")
 app.add_typer(inspect_app, name="inspect")
 app.add_typer(bench_app, name="bench")
 
@@ -186,10 +186,18 @@ def chat(model: ModelOpt = None,
          cache_dir: Annotated[Path | None, typer.Option(
              metavar="DIR", show_default=False, help="Prompt cache folder.")] = None,
          sets: SetOpt = None, max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
-         device: DeviceOpt = None, threads: ThreadsOpt = None) -> None:
+         device: DeviceOpt = None, threads: ThreadsOpt = None,
+         demo: Annotated[bool, typer.Option(
+             "--demo", help="No model or document needed: the built-in model and a generated "
+                            "document with hidden facts (pass key, key-value records, a needle).")]
+         = False,
+         demo_tokens: Annotated[str, typer.Option(
+             metavar="TOKENS", help="Size of the --demo document, e.g. 16K.")] = "16K") -> None:
     """Chat about a long document: read it once, then ask (type /help in the chat)."""
     from ktlong import chat as chat_mod
 
+    if demo:
+        model, prompt_file = _demo_inputs(model, prompt_file, demo_tokens)
     res = resolve(profile, sets, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_p=top_p, top_k=top_k, seed=seed, max_seq_len=max_seq_len, kv_type=kv_type,
                   device=device, threads_num=threads,
@@ -200,6 +208,26 @@ def chat(model: ModelOpt = None,
                         use_cache=not no_cache, cache_dir=cdir)
     if code:
         raise typer.Exit(code)
+
+
+def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str) -> tuple[Path, str]:
+    """`chat --demo`: the shipped model (unless --model) and a generated document; what to ask."""
+    from ktlong import demo
+
+    if prompt_file:
+        raise KtlongError("--demo brings its own document; drop --prompt-file",
+                          hint="or drop --demo to chat about your file")
+    try:
+        n = parse_int(tokens)
+    except ValueError:
+        raise KtlongError(f"--demo-tokens {tokens!r}: expected a number like 16384 or 16K") \
+            from None
+    d = demo.prepare(n)
+    typer.echo(f"demo: a {n:,}-token document ({d.document}) with facts hidden in filler prose; "
+               "ask:", err=True)
+    for q in d.questions:
+        typer.echo(f"  {q}", err=True)
+    return model or d.model, str(d.document)
 
 
 @app.command()
@@ -363,6 +391,35 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
     from ktlong.bench import prefill
 
     prefill.main(_lengths(contexts), threads, as_json, model)
+
+
+@bench_app.command("accuracy")
+def bench_accuracy(model: ModelOpt = None,
+                   lengths: Annotated[str, typer.Option(
+                       help="Document lengths in tokens, comma-separated (K suffix allowed).")]
+                   = "2K,4K,16K,32K",
+                   samples: Annotated[int, typer.Option(
+                       min=1, help="Documents per length (each asks all three tasks).")] = 20,
+                   profiles: Annotated[str, typer.Option(
+                       help="Profiles to compare, comma-separated.")]
+                   = "dense,default,quest,kvretrieval,streamingllm",
+                   png: Annotated[Path | None, typer.Option(
+                       metavar="FILE", show_default=False,
+                       help="Also draw accuracy against length (needs matplotlib).")] = None,
+                   seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
+                   threads: Annotated[int, typer.Option(
+                       "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                   as_json: JsonOpt = False) -> None:
+    """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
+    from ktlong.demo import accuracy
+
+    names = [p.strip() for p in profiles.split(",") if p.strip()]
+    for p in names:
+        resolve_settings(p, {})  # an unknown profile fails here, before loading anything
+    command = (f"ktlong bench accuracy{f' --model {model}' if model else ''} --lengths {lengths} "
+               f"--samples {samples} --profiles {','.join(names)}"
+               f"{f' --seed {seed}' if seed else ''}")
+    accuracy.main(model, _lengths(lengths), samples, names, as_json, png, threads, seed, command)
 
 
 @bench_app.command("cache")

@@ -17,7 +17,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from ktlong.chat import COMMANDS, ChatLoop
-from ktlong.chatui import TerminalUI, printable
+from ktlong.chatui import TerminalUI, printable, prompt_reader
 from ktlong.cli import app
 from ktlong.conversation import Conversation
 from ktlong.documents import Document
@@ -98,7 +98,7 @@ def test_multi_turn_equals_fresh_prefill_and_appends_only_the_turn(lm) -> None:
     assert second.prefilled_tokens < 20
     assert consistent(loop)
     out, err = loop.ui.text()
-    assert printable(first.text) in out and "tok/s" in err and "of blocks read" in err
+    assert printable(first.text) in out and "tok/s" in err and "blocks read" in err
 
 
 def test_reset_returns_to_the_document_without_reprefill(lm) -> None:
@@ -185,6 +185,21 @@ def test_scripted_repl_commands(lm, tmp_path: Path) -> None:
     assert loop.last.ids == fresh_answer(lm, loop, loop.last.prompt_ids)
 
 
+def test_state_and_resume_continue_a_conversation(lm) -> None:
+    """The hook for /save and /load: another loop resumes from the state and the same KV."""
+    a = make_loop(lm, system="Be brief.")
+    a.answer(QUESTIONS[0])
+    a.answer(QUESTIONS[1])
+    state = json.loads(json.dumps(a.state()))  # what /save would write beside the KV
+    b = make_loop(lm, doc="Another document entirely.")
+    b.resume(a.session, state)
+    assert b.doc_len == a.doc_len and b.conv.prompt_ids("Why?")[:len(a.session.tokens)] == \
+        a.session.tokens
+    ans = b.answer(QUESTIONS[2])
+    assert ans.prefilled_tokens < 20  # only the new turn (+ the last answer token)
+    assert ans.ids == fresh_answer(lm, b, ans.prompt_ids)
+
+
 def test_read_attaches_the_file_before_the_next_question(lm, tmp_path: Path) -> None:
     notes = tmp_path / "notes.txt"
     notes.write_text("The key is copper.")
@@ -207,6 +222,33 @@ def test_repl_exit_codes(lm) -> None:
 
     assert loop.repl(ctrl_c) == 130
     assert loop.repl(ctrl_d) == 0
+
+
+def test_prompt_keys(ktlong_home: Path) -> None:
+    """The real prompt-toolkit session fed through a pipe: Enter, Esc Enter, trailing \\,
+    Ctrl-C clearing a line, Ctrl-C twice to leave, Ctrl-D, and the history file."""
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    ui = UI()
+    with create_pipe_input() as pipe:
+        read = prompt_reader(ui, input=pipe, output=DummyOutput())
+        for keys, expect in [("hello\r", "hello"), ("a\x1b\rb\r", "a\nb"),
+                             ("one \\\rtwo\r", "one \ntwo"), ("typo\x03fixed\r", "fixed")]:
+            pipe.send_text(keys)
+            assert read() == expect
+        pipe.send_text("\x03\x03")  # once: a hint; twice: leave
+        with pytest.raises(KeyboardInterrupt):
+            read()
+        assert "press Ctrl-C again" in ui.text()[1]
+        ui.interrupted()  # Ctrl-C just stopped an answer: one more at the prompt leaves
+        pipe.send_text("\x03")
+        with pytest.raises(KeyboardInterrupt):
+            read()
+        pipe.send_text("\x04")
+        with pytest.raises(EOFError):
+            read()
+    assert "hello" in (ktlong_home / "chat_history").read_text()
 
 
 def test_template_fallbacks(lm) -> None:

@@ -104,3 +104,25 @@ def test_prefill_never_builds_a_full_context_attention_matrix():
     hq = lm.spec.n_heads
     assert Biggest.numel < hq * n * n // 8  # a full [Hq, L, L] score matrix would be 8x this
     assert s.store.length == n
+
+
+def test_fused_and_tiled_prefill_attention_agree():
+    """The CPU fused-kernel path (segments + LSE merges) equals the portable tiled path."""
+    import ktlong.attention as att
+    from ktlong.kvstore import KVStore, StoreShape
+
+    Hq, Hkv, d, past, chunk = 8, 2, 16, 3000, 700
+    store = KVStore(StoreShape(1, Hkv, d, 16, "FP32", 1), past + chunk)
+    g = torch.Generator().manual_seed(0)
+    store.write(0, torch.randn(Hkv, past, d, generator=g), torch.randn(Hkv, past, d, generator=g))
+    store.write(0, torch.randn(Hkv, chunk, d, generator=g), torch.randn(Hkv, chunk, d, generator=g))
+    router = att.AttentionRouter(store, None, torch.device("cpu"))
+    q = torch.randn(Hq, chunk, d, generator=g)
+    old = att.PAST_SEGMENT_ELEMS
+    att.PAST_SEGMENT_ELEMS = 1024 * Hkv * d  # several past segments
+    try:
+        fused = router._dense_flash(0, q, past, 0.3)
+    finally:
+        att.PAST_SEGMENT_ELEMS = old
+    tiled = router._dense_tiled(0, q, past, 0.3)
+    assert (fused - tiled).abs().max().item() < 1e-5

@@ -146,25 +146,7 @@ def make_sample(seed: int, n_tokens: int, task: str | None = None, depth: float 
             asked += [needles[0]] if task else [rng.choice(needles)]
     rng.shuffle(asked)
     facts.sort(key=lambda f: f.depth)
-    fact_tokens = sum(len(f.sentence.split()) for f in facts) / WORDS_PER_TOKEN
-    n_words = max(0, n_tokens - fact_tokens) * WORDS_PER_TOKEN
-    sentences: list[str] = []
-    words = 0
-    while words < n_words:
-        s = filler_sentence(rng)
-        sentences.append(s)
-        words += s.count(" ") + 1
-    doc = _assemble(sentences, facts)
-    if count is not None:  # one correction pass: drop or add filler to land near n_tokens
-        have = count(doc)
-        extra = int((n_tokens - have) * WORDS_PER_TOKEN)
-        while extra < -8 and sentences:
-            extra += sentences.pop().count(" ") + 1
-        while extra > 8:
-            s = filler_sentence(rng)
-            sentences.append(s)
-            extra -= s.count(" ") + 1
-        doc = _assemble(sentences, facts)
+    doc = _fill(rng, facts, n_tokens, count)
     return Sample(doc, facts, asked)
 
 
@@ -189,18 +171,66 @@ def _assemble(sentences: Sequence[str], facts: Sequence[Fact]) -> str:
     return "\n".join(paras)
 
 
-def demo_sample(seed: int = 0, n_tokens: int = 32768) -> Sample:
-    """The `chat --demo` document: a pass key, key-value records and a needle at random depths."""
+def make_mixed(seed: int, n_tokens: int, depths: dict[str, float],
+               n_records: int | None = None, count: Callable[[str], int] | None = None) -> Sample:
+    """One document holding one fact per task in `depths` (task -> depth of the asked fact).
+
+    kv documents hold `n_records` records (default one per 2K tokens, at least 4); the asked
+    record sits at its depth, the others at random depths. `asked` follows the order of `depths`.
+    """
     rng = random.Random(seed)
-    parts = [make_sample(rng.randrange(2**31), 0, t) for t in TASKS]
-    facts = sorted([f for p in parts for f in p.facts], key=lambda f: f.depth)
-    n_words = max(0, n_tokens - sum(len(f.sentence.split()) for f in facts)) * WORDS_PER_TOKEN
-    sentences, words = [], 0
+    facts: list[Fact] = []
+    asked: list[Fact] = []
+    for kind, d in depths.items():
+        if kind == "passkey":
+            f = passkey_fact(rng, d)
+            facts.append(f)
+        elif kind == "kv":
+            n = n_records or max(4, n_tokens // 2048)
+            recs = [kv_fact(rng, rng.random(), k) for k in rng.sample(KEYS, min(n, len(KEYS)))]
+            f = recs[0]
+            f.depth = d
+            facts += recs
+        elif kind == "needle":
+            f = needle_fact(rng, d, rng.choice(CITIES))
+            facts.append(f)
+        else:
+            raise ValueError(f"unknown task {kind!r}; known: {', '.join(TASKS)}")
+        asked.append(f)
+    facts.sort(key=lambda f: f.depth)
+    doc = _fill(rng, facts, n_tokens, count)
+    return Sample(doc, facts, asked)
+
+
+def _fill(rng: random.Random, facts: list[Fact], n_tokens: int,
+          count: Callable[[str], int] | None) -> str:
+    fact_tokens = sum(len(f.sentence.split()) for f in facts) / WORDS_PER_TOKEN
+    n_words = max(0, n_tokens - fact_tokens) * WORDS_PER_TOKEN
+    sentences: list[str] = []
+    words = 0
     while words < n_words:
         s = filler_sentence(rng)
         sentences.append(s)
         words += s.count(" ") + 1
-    return Sample(_assemble(sentences, facts), facts, [p.asked[0] for p in parts])
+    doc = _assemble(sentences, facts)
+    if count is not None:  # one correction pass: drop or add filler to land near n_tokens
+        extra = int((n_tokens - count(doc)) * WORDS_PER_TOKEN)
+        while extra < -8 and sentences:
+            extra += sentences.pop().count(" ") + 1
+        while extra > 8:
+            s = filler_sentence(rng)
+            sentences.append(s)
+            extra -= s.count(" ") + 1
+        doc = _assemble(sentences, facts)
+    return doc
+
+
+def demo_sample(seed: int = 0, n_tokens: int = 32768,
+                count: Callable[[str], int] | None = None) -> Sample:
+    """The `chat --demo` document: a pass key, key-value records and a needle at random depths."""
+    rng = random.Random(seed)
+    depths = {t: rng.uniform(0.1, 0.9) for t in TASKS}
+    return make_mixed(rng.randrange(2**31), n_tokens, depths, count=count)
 
 
 def is_correct(fact: Fact, answer: str) -> bool:

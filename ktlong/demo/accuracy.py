@@ -1,0 +1,222 @@
+"""`ktlong bench accuracy`: passkey, kv-retrieval and needle accuracy per profile and length.
+
+Each document (ktlong.demo.tasks.make_mixed) hides one pass key, several key-value records and one
+needle; sample i of n puts the asked facts at depths (i + 0.5) / n, shifted by a third per task,
+so every (length, task) cell covers the depths evenly. The three questions are asked one at a time
+after the document, exactly as `ktlong chat` asks them: Conversation renders the prompt, the
+document is prefilled once (dense, exact, chunked), and each question is appended to it.
+
+Selection settings do not change the KV cache, so the document is prefilled ONCE and its K, V
+copied into a fresh store per profile (block_size and anchor_num set each profile's layout). Each
+profile then sees what a chat under it would see: its anchors come from the same vote of the
+document's last queries (DYNAMIC), its preselection from the question's; answers are greedy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ktlong.demo import tasks
+
+PROFILES = ("dense", "default", "quest", "kvretrieval", "streamingllm")
+LENGTHS = (2048, 4096, 16384, 32768)
+MAX_NEW_TOKENS = 24
+DEPTH_BUCKETS = (("start", 0.0, 1 / 3), ("middle", 1 / 3, 2 / 3), ("end", 2 / 3, 1.01))
+
+
+@dataclasses.dataclass
+class Record:
+    length: int  # document tokens (the prompt adds the template and the question)
+    task: str
+    profile: str
+    depth: float
+    correct: bool
+    answer: str
+    attended: float  # share of context blocks read per decode step
+
+
+def depths_for(i: int, n: int) -> dict[str, float]:
+    base = (i + 0.5) / n
+    return {t: (base + j / len(tasks.TASKS)) % 1.0 for j, t in enumerate(tasks.TASKS)}
+
+
+def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
+    """A fresh store of `shape` holding the first `n` tokens of `src` (a memcpy, no forward)."""
+    from ktlong.kvstore import KVStore
+
+    dst = KVStore(shape, capacity)
+    for layer in range(shape.n_layers):
+        k, v = src.token_range(layer, 0, n)
+        dst.write(layer, k, v)
+    return dst
+
+
+def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
+        seed: int = 0, threads: int = 0,
+        report: Callable[[str], None] | None = None) -> list[Record]:
+    """Every (length, sample, task, profile); `report` gets one line per document."""
+    from ktlong.config import resolve_settings
+    from ktlong.conversation import Conversation
+    from ktlong.engine import Sampling, Session
+    from ktlong.kvstore import StoreShape
+    from ktlong.model import load_model
+
+    lm = load_model(model or default_model(), "CPU")
+    tok = lm.tokenizer
+    spec = lm.spec
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    out: list[Record] = []
+    for n_tok in lengths:
+        cap = n_tok + 1024
+        common = {"max_seq_len": cap, "device": "CPU", "threads_num": threads}
+        per = {p: resolve_settings(p, common).settings for p in profiles}
+        base = resolve_settings("dense", common).settings
+        for i in range(samples):
+            t0 = time.perf_counter()
+            sample = tasks.make_mixed(seed * 1_000_003 + n_tok * 101 + i, n_tok,
+                                      depths_for(i, samples), count=count)
+            conv = Conversation(tok, sample.document)
+            doc_ids = conv.document_ids()
+            s0 = Session(lm, base)
+            s0.prefill(doc_ids)
+            captured = s0.router.captured  # the document's last queries, per layer
+            prefill_s = time.perf_counter() - t0
+            line = []
+            for name, st in per.items():
+                shape = StoreShape(spec.n_layers, spec.n_kv_heads, spec.head_dim, st.block_size,
+                                   st.kv_type, st.anchor_num)
+                store = _copy_store(s0.store, shape, len(doc_ids), cap)
+                sess = Session(lm, st, store=store, tokens=doc_ids)
+                sess.policy.on_prefill_end(captured, len(doc_ids))
+                right = 0
+                for fact in sample.asked:
+                    sess.extend_to(conv.prompt_ids(fact.question))
+                    ids, share = [], 1.0
+                    for step in sess.generate(Sampling(max_new_tokens=MAX_NEW_TOKENS,
+                                                       temperature=0.0)):
+                        if step.token_id not in lm.eos_ids:
+                            ids.append(step.token_id)
+                        share = step.stats.attended_share
+                    answer = tok.decode(ids, skip_special_tokens=True)
+                    ok = tasks.is_correct(fact, answer)
+                    right += ok
+                    out.append(Record(n_tok, fact.kind, name, round(fact.depth, 3), ok, answer,
+                                      round(share, 4)))
+                line.append(f"{name} {right}/{len(sample.asked)}")
+                del sess, store
+            if report:
+                report(f"{n_tok} tokens, sample {i + 1}/{samples}: prefill {prefill_s:.1f}s, "
+                       f"total {time.perf_counter() - t0:.1f}s; " + ", ".join(line))
+    return out
+
+
+def default_model() -> Path:
+    from ktlong.demo.train import MODEL_DIR
+
+    return MODEL_DIR
+
+
+# --- summaries ---------------------------------------------------------------------------------
+def summarise(records: Sequence[Record]) -> dict[str, Any]:
+    """{"cells": {(length, task, profile): [right, n]},
+    "depth": {(length, profile, bucket): [right, n]}}"""
+    cells: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    depth: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+    for r in records:
+        c = cells[(r.length, r.task, r.profile)]
+        c[0] += r.correct
+        c[1] += 1
+        for name, lo, hi in DEPTH_BUCKETS:
+            if lo <= r.depth < hi:
+                d = depth[(r.length, r.profile, name)]
+                d[0] += r.correct
+                d[1] += 1
+    return {"cells": dict(cells), "depth": dict(depth)}
+
+
+def _pct(c: list[int]) -> str:
+    return f"{100 * c[0] / c[1]:.0f}" if c[1] else "-"
+
+
+def markdown(records: Sequence[Record], command: str) -> str:
+    s = summarise(records)
+    lengths = sorted({r.length for r in records})
+    profiles = list(dict.fromkeys(r.profile for r in records))
+    task_names = [t for t in tasks.TASKS if any(r.task == t for r in records)]
+    n = max((c[1] for c in s["cells"].values()), default=0)
+    lines = [f"`{command}`", "",
+             f"Accuracy in % ({n} samples per cell; greedy answers must contain the hidden value).",
+             "", "| length | task | " + " | ".join(profiles) + " |",
+             "|---:|---|" + "---:|" * len(profiles)]
+    for L in lengths:
+        for t in task_names:
+            row = [_pct(s["cells"].get((L, t, p), [0, 0])) for p in profiles]
+            lines.append(f"| {_k(L)} | {t} | " + " | ".join(row) + " |")
+    lines += ["", "By depth of the asked fact (all tasks; thirds of the document):",
+              "", "| length | depth | " + " | ".join(profiles) + " |",
+              "|---:|---|" + "---:|" * len(profiles)]
+    for L in lengths:
+        for name, _, _ in DEPTH_BUCKETS:
+            row = [_pct(s["depth"].get((L, p, name), [0, 0])) for p in profiles]
+            lines.append(f"| {_k(L)} | {name} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def plot(records: Sequence[Record], path: Path) -> bool:
+    """Accuracy against length, one panel per task; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    s = summarise(records)["cells"]
+    lengths = sorted({r.length for r in records})
+    profiles = list(dict.fromkeys(r.profile for r in records))
+    task_names = [t for t in tasks.TASKS if any(r.task == t for r in records)]
+    fig, axes = plt.subplots(1, len(task_names), figsize=(4 * len(task_names), 3.2), squeeze=False)
+    for ax, t in zip(axes[0], task_names, strict=True):
+        for p in profiles:
+            ys = [100 * s[(L, t, p)][0] / s[(L, t, p)][1] for L in lengths]
+            ax.plot(lengths, ys, marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_title(t)
+        ax.set_ylim(-5, 105)
+        ax.set_xlabel("document tokens")
+    axes[0][0].set_ylabel("accuracy %")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
+         as_json: bool = False, png: Path | None = None, threads: int = 0, seed: int = 0,
+         command: str = "ktlong bench accuracy") -> None:
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    records = run(model, lengths, samples, profiles, seed, threads,
+                  report=lambda line: err.print(line, highlight=False))
+    if as_json:
+        print(json.dumps({"command": command, "records": [dataclasses.asdict(r)
+                                                          for r in records]}))
+    else:
+        print(markdown(records, command))
+    if png is not None and not plot(records, png):
+        err.print("no chart: matplotlib is not installed (pip install 'ktlong[plot]')")
+    sys.stdout.flush()

@@ -1,0 +1,138 @@
+"""The built-in demo: task generator, shipped model (HF folder and GGUF), `chat --demo`, accuracy."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from ktlong.cli import app
+from ktlong.demo import MODEL_DIR, tasks
+from ktlong.demo.train import GGUF_NAME
+
+needs_model = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
+                                 reason="the demo model is not trained yet")
+
+
+# --- task generator -----------------------------------------------------------------------------
+def test_samples_are_deterministic_from_the_seed() -> None:
+    a, b = tasks.make_sample(7, 600), tasks.make_sample(7, 600)
+    assert a == b
+    assert tasks.make_sample(8, 600).document != a.document
+    m1 = tasks.make_mixed(3, 2000, {"passkey": 0.1, "kv": 0.5, "needle": 0.9})
+    assert m1 == tasks.make_mixed(3, 2000, {"passkey": 0.1, "kv": 0.5, "needle": 0.9})
+    assert [f.kind for f in m1.asked] == ["passkey", "kv", "needle"]
+    assert tasks.demo_sample(0, 1000) == tasks.demo_sample(0, 1000)
+
+
+def test_facts_sit_at_their_depths_and_filler_has_no_digits() -> None:
+    s = tasks.make_mixed(5, 4000, {"passkey": 0.25, "kv": 0.5, "needle": 0.75})
+    doc = s.document
+    for f in s.asked:
+        assert doc.count(f.sentence) == 1
+        assert abs(doc.index(f.sentence) / len(doc) - f.depth) < 0.05
+        assert f.value in f.answer
+    filler = doc
+    for f in s.facts:
+        filler = filler.replace(f.sentence, "")
+    assert not any(ch.isdigit() for ch in filler)
+    assert len(s.facts) == 1 + 4 + 1  # kv: at least 4 records, 3 of them distractors
+
+
+def test_length_lands_near_the_target_with_a_counter() -> None:
+    def count(text: str) -> int:  # ~ the demo tokenizer: one token per word or punctuation
+        return len(text.replace(".", " .").split())
+
+    s = tasks.make_mixed(1, 3000, {"passkey": 0.5}, count=count)
+    assert abs(count(s.document) - 3000) < 60
+
+
+def test_training_positions_jump_between_sentences_only() -> None:
+    from ktlong.demo import train
+
+    tok = train.build_tokenizer()
+    s = tasks.make_sample(11, 800)
+    ids, mask, doc_len = train.encode(tok, s)
+    assert len(ids) == len(mask) and 0 < doc_len < len(ids)
+    answers = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert all(f.answer in answers for f in s.asked)
+    pos = train.position_ids(random.Random(0), tok, s, len(ids), doc_len, jump_p=1.0)
+    jumps = [i for i in range(1, len(pos)) if pos[i] - pos[i - 1] != 1]
+    assert jumps and all(i < doc_len for i in jumps)  # question and answers stay contiguous
+    text = tok.decode(ids[:doc_len])
+    for i in jumps:  # never inside a fact: the fact's text is whole on one side
+        before, after = tok.decode(ids[:i]), tok.decode(ids[i:doc_len])
+        for f in s.facts:
+            assert f.sentence in before or f.sentence in after or f.sentence not in text
+
+
+# --- the shipped model ----------------------------------------------------------------------------
+@needs_model
+def test_shipped_model_loads_as_hf_folder_and_gguf() -> None:
+    import torch
+
+    from ktlong.model import load_model
+
+    hf = load_model(MODEL_DIR, "CPU")
+    gg = load_model(MODEL_DIR / GGUF_NAME, "CPU")
+    size = sum(p.stat().st_size for p in MODEL_DIR.iterdir())
+    assert size < 25e6
+    for lm in (hf, gg):
+        assert lm.spec.n_heads > lm.spec.n_kv_heads > 0  # GQA: SHARED and SEPARATE differ
+        assert lm.tokenizer.chat_template
+        assert lm.tokenizer.convert_tokens_to_ids("<|end|>") in lm.eos_ids
+    msgs = [{"role": "user", "content": "The pass key is 12345. What is the pass key?"}]
+    ids = [hf.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)]
+    ids_gg = [gg.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)]
+    ids, ids_gg = (getattr(x[0], "input_ids", x[0]) for x in (ids, ids_gg))
+    assert list(ids) == list(ids_gg)
+    with torch.no_grad():
+        a = hf.model(torch.tensor([ids])).logits[0, -1]
+        b = gg.model(torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(a, b, atol=1e-3)
+
+
+@needs_model
+def test_chat_demo_answers_the_pass_key_end_to_end() -> None:
+    n = 1024
+    key = next(f.value for f in tasks.demo_sample(0, n).facts if f.kind == "passkey")
+    r = CliRunner().invoke(app, ["chat", "--demo", "--demo-tokens", "1K", "--no-cache",
+                                 "--question", "What is the pass key?", "--json"])
+    assert r.exit_code == 0, r.output
+    answer = json.loads(r.stdout.strip().splitlines()[-1])
+    assert key in answer["answer"]
+    assert "What is the pass key?" in r.stderr  # what to ask is printed
+
+
+def test_chat_demo_refuses_a_prompt_file(tmp_path) -> None:
+    doc = tmp_path / "d.txt"
+    doc.write_text("hello")
+    r = CliRunner().invoke(app, ["chat", "--demo", "--prompt-file", str(doc), "-q", "hi"])
+    assert r.exit_code == 2 and "--demo brings its own document" in r.output
+
+
+@needs_model
+def test_bench_accuracy_runs_every_profile_on_one_prefill() -> None:
+    from ktlong.demo import accuracy
+
+    recs = accuracy.run(None, [1024], 2, ["dense", "quest", "streamingllm"])
+    assert len(recs) == 2 * 3 * 3
+    dense = [r for r in recs if r.profile == "dense"]
+    assert sum(r.correct for r in dense) >= 5  # the model works at short lengths
+    md = accuracy.markdown(recs, "ktlong bench accuracy --lengths 1K --samples 2")
+    assert "| 1K | passkey |" in md and "streamingllm" in md
+
+
+@needs_model
+def test_bench_accuracy_cli_json() -> None:
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--lengths", "512", "--samples", "1",
+                                 "--profiles", "dense", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {x["task"] for x in out["records"]} == set(tasks.TASKS)
+
+
+def test_bench_accuracy_rejects_an_unknown_profile() -> None:
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--profiles", "dense,nosuch"])
+    assert r.exit_code == 2 and "nosuch" in r.output

@@ -1,0 +1,166 @@
+"""Attention kernels against their float64 NumPy references: attend_blocks, merge_partials,
+query_votes. Shapes, GQA ratios, block sizes, partial last blocks, SHARED / SEPARATE, base / tail
+splits (nb_base 0 included) and all three KV dtypes are drawn from seeded generators."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ktlong import kernels as K
+
+KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
+HEAD_DIMS = (16, 48, 64, 128)  # 48: a partial last channel group
+
+
+def store(rng, hkv, nb_base, nb_tail, bs, d, kind, scale=1.0):
+    """Random K, V split into base [Hkv, nb_base, bs, d] and tail segments (storage dtype)."""
+    def seg(nb):
+        return K.f32_to_kv(scale * rng.standard_normal((hkv, nb, bs, d)).astype(np.float32), kind)
+    return seg(nb_base), seg(nb_base), seg(nb_tail), seg(nb_tail)
+
+
+def draw(rng, g, bs, kind, shared):
+    """One random attention problem: (args for attend_blocks, n_blocks)."""
+    hkv = int(rng.integers(1, 4))
+    d = int(rng.choice(HEAD_DIMS))
+    nb = int(rng.integers(1, max(2, 400 // bs) + 1))
+    n_tokens = int(rng.integers((nb - 1) * bs + 1, nb * bs + 1))  # last block often partial
+    nb_base = int(rng.integers(0, nb))  # 0: everything in the tail
+    kb, vb, kt, vt = store(rng, hkv, nb_base, nb - nb_base + int(rng.integers(0, 3)), bs, d, kind)
+    n_sel = int(rng.integers(1, nb + 1))
+    rows = 1 if shared else hkv
+    blocks = np.stack([np.sort(rng.choice(nb, n_sel, replace=False)) for _ in range(rows)])
+    q = rng.standard_normal((hkv * g, d)).astype(np.float32)
+    return (q, kb, vb, kt, vt, nb_base, blocks.astype(np.int32), n_tokens, d ** -0.5, kind)
+
+
+def check_attend(args):
+    out, lse = K.attend_blocks(*args)
+    ref_out, ref_lse = K.attend_blocks_ref(*args)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("bs", [1, 16, 128])
+def test_attend_matches_reference(kind, g, bs):
+    rng = np.random.default_rng(100 * kind + 10 * g + bs)
+    for trial in range(4):
+        check_attend(draw(rng, g, bs, kind, shared=trial % 2 == 0))
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_attend_large_scores_and_odd_group(kind):
+    """Scores of several hundred (the max must be subtracted) and g = 7 (Qwen2-7B's ratio)."""
+    rng = np.random.default_rng(kind)
+    hkv, g, bs, d, nb = 2, 7, 16, 128, 9
+    kb, vb, kt, vt = store(rng, hkv, 4, 5, bs, d, kind, scale=3.0)
+    q = 10 * rng.standard_normal((hkv * g, d)).astype(np.float32)
+    blocks = np.array([[0, 2, 5, 8], [1, 3, 4, 8]], np.int32)
+    check_attend((q, kb, vb, kt, vt, 4, blocks, nb * bs - 3, d ** -0.5, kind))
+
+
+def test_attend_empty_selection():
+    rng = np.random.default_rng(1)
+    kb, vb, kt, vt = store(rng, 2, 0, 3, 16, 64, 1)
+    out, lse = K.attend_blocks(rng.standard_normal((8, 64)).astype(np.float32), kb, vb, kt, vt, 0,
+                               np.zeros((1, 0), np.int32), 40, 0.125, 1)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_storage_rounding_is_within_dtype_precision():
+    """BF16 / FP16 storage versus the same attention on the unrounded float32 values."""
+    rng = np.random.default_rng(2)
+    hkv, g, bs, d, nb = 2, 4, 16, 64, 6
+    k, v = (rng.standard_normal((hkv, nb, bs, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((hkv * g, d)).astype(np.float32)
+    blocks = np.arange(nb, dtype=np.int32)[None]
+    empty = np.zeros((hkv, 0, bs, d), np.float32)
+    exact, _ = K.attend_blocks_ref(q, empty, empty, k, v, 0, blocks, nb * bs, d ** -0.5, 0)
+    for kind, tol in ((1, 2e-2), (2, 2e-3)):
+        e16 = np.zeros((hkv, 0, bs, d), np.uint16)
+        kk, vv = K.f32_to_kv(k, kind), K.f32_to_kv(v, kind)
+        out, _ = K.attend_blocks(q, e16, e16, kk, vv, 0, blocks, nb * bs, d ** -0.5, kind)
+        np.testing.assert_allclose(out, exact, atol=tol)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+def test_union_equals_merge_of_parts(kind):
+    """Attending blocks A u B equals merge_partials of A and B (also with an empty part)."""
+    rng = np.random.default_rng(3 + kind)
+    q, kb, vb, kt, vt, nb_base, _, n_tokens, scale, _ = draw(rng, 4, 16, kind, shared=True)
+    nb = -(-n_tokens // 16)
+    ids = rng.permutation(nb)
+    cut = int(rng.integers(0, nb + 1))
+    a, b = np.sort(ids[:cut])[None].astype(np.int32), np.sort(ids[cut:])[None].astype(np.int32)
+    whole = K.attend_blocks(q, kb, vb, kt, vt, nb_base, np.sort(ids)[None].astype(np.int32),
+                            n_tokens, scale, kind)
+    pa = K.attend_blocks(q, kb, vb, kt, vt, nb_base, a, n_tokens, scale, kind)
+    pb = K.attend_blocks(q, kb, vb, kt, vt, nb_base, b, n_tokens, scale, kind)
+    out, lse = K.merge_partials(*pa, *pb)
+    np.testing.assert_allclose(out, whole[0], rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(lse, whole[1], rtol=1e-5, atol=1e-4)
+    ref_out, ref_lse = K.merge_partials_ref(*pa, *pb)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_with_empty_parts():
+    out = np.ones((3, 8), np.float32)
+    lse = np.array([0.5, -np.inf, -np.inf], np.float32)
+    other = (2 * np.ones((3, 8), np.float32), np.array([-np.inf, 1.0, -np.inf], np.float32))
+    m_out, m_lse = K.merge_partials(out, lse, *other)
+    np.testing.assert_array_equal(m_out, [[1] * 8, [2] * 8, [0] * 8])
+    np.testing.assert_array_equal(m_lse, [0.5, 1.0, -np.inf])
+
+
+def test_concurrent_launches_from_two_threads():
+    """Two Python threads running kernels at once (the GPU-overlap pattern) get exact results."""
+    rng = np.random.default_rng(4)
+    args = [draw(rng, 4, 16, 1, shared=True) for _ in range(2)]
+    want = [K.attend_blocks(*a) for a in args]
+    got = [None, None]
+
+    def run(i):
+        for _ in range(20):
+            got[i] = K.attend_blocks(*args[i])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w[0], g[0])
+
+
+def test_attend_rejects_bad_input():
+    rng = np.random.default_rng(5)
+    q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, kind = draw(rng, 4, 16, 1, True)
+    with pytest.raises(ValueError, match="out of range"):
+        K.attend_blocks(q, kb, vb, kt, vt, nb_base, blocks + 1000, n_tokens, scale, kind)
+    with pytest.raises(ValueError, match="2-byte"):
+        K.attend_blocks(q, kb, vb, kt.astype(np.float32), vt, nb_base, blocks, n_tokens, scale,
+                        kind)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("bs", [1, 16, 128])
+def test_query_votes_match_reference(kind, bs):
+    rng = np.random.default_rng(10 * kind + bs)
+    for g, w in ((1, 1), (4, 5), (8, 3)):
+        hkv, d = int(rng.integers(1, 3)), int(rng.choice(HEAD_DIMS))
+        nb = int(rng.integers(1, max(2, 300 // bs) + 1))
+        n_tokens = int(rng.integers(max(w, (nb - 1) * bs + 1), nb * bs + 1))
+        nb_base = int(rng.integers(0, nb))
+        kb, _, kt, _ = store(rng, hkv, nb_base, nb - nb_base, bs, d, kind)
+        qw = rng.standard_normal((hkv * g, w, d)).astype(np.float32)
+        votes = K.query_votes(qw, kb, kt, nb_base, n_tokens, d ** -0.5, kind)
+        ref = K.query_votes_ref(qw, kb, kt, nb_base, n_tokens, d ** -0.5, kind)
+        assert votes.shape == (hkv, n_tokens) and votes.dtype == np.float32
+        np.testing.assert_allclose(votes, ref, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(votes.sum(1), g * w, rtol=1e-4)  # each query's weights sum to 1
