@@ -105,7 +105,8 @@ class TerminalUI:
     def document(self, loop: Any, opened: Any) -> None:
         n, st = loop.doc_len, opened.session.stats
         name = loop.document.name if loop.document else "no document"
-        how = ("from the prompt cache" if opened.source == "cache" else
+        how = (f"from the prompt cache (checked in {opened.verify_s:.1f} s)"
+               if opened.source == "cache" else
                f"read in {st.prefill_s:.1f} s ({st.prefill_tok_s:,.0f} tok/s)" if n else "")
         self.err.print(f"[bold]{escape(name)}[/]: {n:,} tokens {how}")
         if opened.note:

@@ -114,6 +114,23 @@ def test_reset_returns_to_the_document_without_reprefill(lm) -> None:
     assert "nothing re-read" in loop.ui.text()[1]
 
 
+def test_second_chat_on_a_document_uses_the_prompt_cache(lm, tmp_path: Path) -> None:
+    first = make_loop(lm)
+    a = first.answer(QUESTIONS[0])
+    assert first.source == "prefill"
+    assert make_loop(lm, use_cache=False).source == "prefill"
+    again = make_loop(lm)
+    assert again.source == "cache" and "from the prompt cache" in again.ui.text()[1]
+    b = again.answer(QUESTIONS[0])
+    assert b.prompt_ids == a.prompt_ids and b.ids == a.ids
+    assert b.prefilled_tokens < 20  # the question, not the document
+    again.handle("/reset")  # back to the document: the memory-mapped entry stays
+    assert len(again.session.tokens) == again.doc_len and consistent(again)
+    assert again.answer(QUESTIONS[0]).ids == a.ids
+    other = make_loop(lm, cache_dir=tmp_path / "elsewhere")
+    assert other.source == "prefill" and any((tmp_path / "elsewhere").iterdir())
+
+
 def test_ctrl_c_in_the_renderer_keeps_the_partial_answer_and_the_chat(lm) -> None:
     loop = make_loop(lm, UI(stop_at=3))
     a = loop.answer(QUESTIONS[0])

@@ -82,11 +82,10 @@ def test_shipped_model_loads_as_hf_folder_and_gguf() -> None:
         assert lm.spec.n_heads > lm.spec.n_kv_heads > 0  # GQA: SHARED and SEPARATE differ
         assert lm.tokenizer.chat_template
         assert lm.tokenizer.convert_tokens_to_ids("<|end|>") in lm.eos_ids
-    msgs = [{"role": "user", "content": "The pass key is 12345. What is the pass key?"}]
-    ids = [hf.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)]
-    ids_gg = [gg.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)]
-    ids, ids_gg = (getattr(x[0], "input_ids", x[0]) for x in (ids, ids_gg))
-    assert list(ids) == list(ids_gg)
+    text = "The pass key is 12345. Remember it. What is the pass key?"
+    ids = hf.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert gg.tokenizer(text, add_special_tokens=False)["input_ids"] == ids
+    ids = [hf.tokenizer.bos_token_id] + ids  # (transformers leaves a GGUF tokenizer's bos unset)
     with torch.no_grad():
         a = hf.model(torch.tensor([ids])).logits[0, -1]
         b = gg.model(torch.tensor([ids])).logits[0, -1]
