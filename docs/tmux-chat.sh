@@ -11,9 +11,10 @@ set -euo pipefail
 command -v tmux >/dev/null || { echo "tmux is not installed (apt-get install tmux)" >&2; exit 1; }
 PY=${PYTHON:-python}
 WORK=$(mktemp -d)
-SESSION=ktlong-chat-$$
+SESSION=ktlong-chat
+TMUX_CMD=(tmux -L "ktlong-chat-$$")  # a private server: never touches the user's own tmux
 export KTLONG_HOME=$WORK/home
-trap 'tmux kill-session -t "$SESSION" 2>/dev/null || true; rm -rf "$WORK"' EXIT
+trap '"${TMUX_CMD[@]}" kill-server 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
 MODEL=${1:-$WORK/model}
 "$PY" - "$MODEL" "$WORK/book.txt" <<'EOF'
@@ -29,9 +30,9 @@ EOF
 
 CMD="$PY -m ktlong chat --model $MODEL --prompt-file $WORK/book.txt --profile dense"
 CMD="$CMD --max-seq-len 16384 --max-new-tokens 200 --temperature 0.8 --seed 1"
-tmux new-session -d -s "$SESSION" -x 120 -y 45 "$CMD; echo \"[ktlong exited with \$?]\"; sleep 300"
+"${TMUX_CMD[@]}" new-session -d -s "$SESSION" -x 120 -y 45 "$CMD; echo \"[ktlong exited with \$?]\"; sleep 300"
 
-screen() { tmux capture-pane -p -t "$SESSION" -S -200 | sed -e :a -e '/^\n*$/{$d;N;ba' -e '}'; }
+screen() { "${TMUX_CMD[@]}" capture-pane -p -t "$SESSION" -S -200 | sed -e :a -e '/^\n*$/{$d;N;ba' -e '}'; }
 count() { screen | grep -c -- "$1" || true; }
 wait_for() {  # wait_for PATTERN [N] [SECONDS]: until PATTERN appears N times on screen
     local n=${2:-1} t=${3:-180}
@@ -42,7 +43,7 @@ wait_for() {  # wait_for PATTERN [N] [SECONDS]: until PATTERN appears N times on
     echo "!! timed out waiting for '$1' x$n"; screen; exit 1
 }
 show() { echo; echo "======== $1"; screen | tail -n "${2:-45}"; }
-keys() { tmux send-keys -t "$SESSION" "$@"; }
+keys() { "${TMUX_CMD[@]}" send-keys -t "$SESSION" "$@"; }
 
 wait_for '>>>' 1 300
 show "after start: progress bar, document line, banner, prompt" 20

@@ -61,11 +61,18 @@ except OSError:
     pass  # unwritable home: Numba's default cache location
 try:
     from .anchors import (  # noqa: E402
-        compute_anchors, compute_anchors_ref, score_blocks, score_blocks_ref, topk_blocks,
+        compute_anchors,
+        compute_anchors_ref,
+        score_blocks,
+        score_blocks_ref,
+        topk_blocks,
         topk_blocks_ref,
     )
     from .attention import (  # noqa: E402
-        attend_blocks, attend_blocks_ref, merge_partials, merge_partials_ref,
+        attend_blocks,
+        attend_blocks_ref,
+        merge_partials,
+        merge_partials_ref,
     )
     from .votes import query_votes, query_votes_ref  # noqa: E402
 finally:

@@ -12,61 +12,72 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import FASTMATH, F32, kv_to_f64, kv_view, to_f32
+from ._simd import F32, FASTMATH, kv_bytes, kv_to_f64, to_f32
 from .threads import use_threads
 
 ANCHOR_TYPES = {"MAX": 0, "MEAN": 1, "QUEST": 2, "FIX": 3, "DYNAMIC": 4}
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
-def _anchors(k_base, k_tail, nb_base, first, last, kind, anchors, token_scores):
-    # K [Hkv, nb, bs, d]; anchors [Hkv, nb_cap, A, d] f32; token_scores [Hkv, n_tokens] (DYNAMIC)
-    hkv, bs, d = k_tail.shape[0], k_tail.shape[2], k_tail.shape[3]
-    na = anchors.shape[2]
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
+def _block(kb, kind, out, sc):
+    """Anchors out [A, d] f32 of one block kb [bs, d] (storage dtype); sc [bs] scores (DYNAMIC).
+
+    Indexes elements directly: a row view per token would cost atomic reference counts."""
+    bs, d = kb.shape
+    na = out.shape[0]
+    if kind == 2:  # QUEST: min, max
+        for c in range(d):
+            out[0, c] = out[1, c] = to_f32(kb[0, c])
+        for t in range(1, bs):
+            for c in range(d):
+                x = to_f32(kb[t, c])
+                out[0, c] = min(out[0, c], x)
+                out[1, c] = max(out[1, c], x)
+    elif kind <= 1:  # MAX / MEAN over run a
+        for a in range(na):
+            t0, t1 = a * bs // na, (a + 1) * bs // na
+            for c in range(d):
+                out[a, c] = to_f32(kb[t0, c])
+            for t in range(t0 + 1, t1):
+                if kind == 0:
+                    for c in range(d):
+                        out[a, c] = max(out[a, c], to_f32(kb[t, c]))
+                else:
+                    for c in range(d):
+                        out[a, c] += to_f32(kb[t, c])
+            if kind == 1:
+                inv = F32(1.0) / F32(t1 - t0)
+                for c in range(d):
+                    out[a, c] *= inv
+    else:  # FIX / DYNAMIC: copy chosen tokens
+        taken = np.zeros(bs, np.bool_)
+        for a in range(na):
+            best = a * (bs // na)
+            if kind == 4:
+                best = -1
+                for t in range(bs):
+                    if not taken[t] and (best < 0 or sc[t] > sc[best]):
+                        best = t
+                taken[best] = True
+            for c in range(d):
+                out[a, c] = to_f32(kb[best, c])
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, token_scores):
+    # K bytes [Hkv, nb, bs, d*size]; anchors [Hkv, nb_cap, A, d] f32; token_scores [Hkv, n | 0]
+    hkv, bs = k_tail.shape[0], k_tail.shape[2]
     nblk = last - first
     for it in prange(hkv * nblk):
-        j = it // nblk
-        b = first + it % nblk
-        kb = k_base[j, b] if b < nb_base else k_tail[j, b - nb_base]  # [bs, d]
-        out = anchors[j, b]  # [A, d]
-        if kind == 2:  # QUEST: min, max
-            lo, hi = out[0], out[1]
-            for c in range(d):
-                lo[c] = hi[c] = to_f32(kb[0, c])
-            for t in range(bs):
-                kt = kb[t]
-                for c in range(d):
-                    x = to_f32(kt[c])
-                    lo[c] = min(lo[c], x)
-                    hi[c] = max(hi[c], x)
-        elif kind <= 1:  # MAX / MEAN over run a
-            for a in range(na):
-                t0, t1 = a * bs // na, (a + 1) * bs // na
-                o = out[a]
-                for c in range(d):
-                    o[c] = to_f32(kb[t0, c])
-                for t in range(t0 + 1, t1):
-                    kt = kb[t]
-                    for c in range(d):
-                        o[c] = max(o[c], to_f32(kt[c])) if kind == 0 else o[c] + to_f32(kt[c])
-                if kind == 1:
-                    inv = F32(1.0) / F32(t1 - t0)
-                    for c in range(d):
-                        o[c] *= inv
-        else:  # FIX / DYNAMIC: copy chosen tokens
-            sc = token_scores[j, b * bs:(b + 1) * bs]
-            taken = np.zeros(bs, np.bool_)
-            for a in range(na):
-                best = a * (bs // na)
-                if kind == 4:
-                    best = -1
-                    for t in range(bs):
-                        if not taken[t] and (best < 0 or sc[t] > sc[best]):
-                            best = t
-                    taken[best] = True
-                o, kt = out[a], kb[best]
-                for c in range(d):
-                    o[c] = to_f32(kt[c])
+        j, b = it // nblk, first + it % nblk
+        kb = k_base[j, b] if b < nb_base else k_tail[j, b - nb_base]  # [bs, d*size]
+        sc = token_scores[j, b * bs:(b + 1) * bs]
+        if dtype == 1:  # view the bytes back as the storage dtype
+            _block(kb.view(np.uint16), kind, anchors[j, b], sc)
+        elif dtype == 2:
+            _block(kb.view(np.int16), kind, anchors[j, b], sc)
+        else:
+            _block(kb.view(F32), kind, anchors[j, b], sc)
 
 
 def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
@@ -76,11 +87,14 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     k_base [Hkv, nb_base, bs, d], k_tail [Hkv, nb_tail_cap, bs, d] storage per kv_kind;
     anchors [Hkv, nb_cap, anchor_num, d] f32; token_scores [Hkv, n_tokens] f32 for DYNAMIC.
     """
+    if anchor_type not in ANCHOR_TYPES:
+        raise ValueError(f"unknown anchor_type {anchor_type!r}")
     kind = ANCHOR_TYPES[anchor_type]
-    bs = k_tail.shape[2]
-    if anchors.dtype != np.float32 or anchors.shape[2] != anchor_num or not anchors.flags.c_contiguous:
-        raise ValueError(f"anchors must be C-contiguous float32 [Hkv, nb_cap, {anchor_num}, d]")
-    if not 1 <= anchor_num <= bs or (kind == 2 and anchor_num != 2):
+    hkv, _, bs, d = k_tail.shape
+    want = (hkv, anchors.shape[1], anchor_num, d)
+    if anchors.dtype != np.float32 or anchors.shape != want or not anchors.flags.c_contiguous:
+        raise ValueError(f"anchors must be C-contiguous float32 {list(want)}")
+    if (kind == 2 and anchor_num != 2) or (kind != 2 and not 1 <= anchor_num <= bs):
         raise ValueError(f"{anchor_type} anchors cannot number {anchor_num} with block_size {bs}")
     if not 0 <= first <= last <= min(nb_base + k_tail.shape[1], anchors.shape[1]):
         raise ValueError(f"block range {first}..{last} out of the store")
@@ -89,11 +103,11 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
             raise ValueError("DYNAMIC anchors need token_scores covering the blocks")
         token_scores = np.ascontiguousarray(token_scores, dtype=np.float32)
     else:
-        token_scores = np.zeros((1, 1), np.float32)
+        token_scores = np.zeros((k_tail.shape[0], 0), np.float32)
     if last > first:
         use_threads()
-        _anchors(kv_view(k_base, kv_kind), kv_view(k_tail, kv_kind), nb_base, first, last, kind,
-                 anchors, token_scores)
+        _anchors(kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind), kv_kind,
+                 nb_base, first, last, kind, anchors, token_scores)
 
 
 def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
@@ -106,7 +120,8 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
         if anchor_type == "QUEST":
             res = np.stack([kb.min(1), kb.max(1)], axis=1)
         elif anchor_type in ("MAX", "MEAN"):
-            runs = [kb[:, a * bs // anchor_num:(a + 1) * bs // anchor_num] for a in range(anchor_num)]
+            cuts = [a * bs // anchor_num for a in range(anchor_num + 1)]
+            runs = [kb[:, cuts[a]:cuts[a + 1]] for a in range(anchor_num)]
             res = np.stack([r.max(1) if anchor_type == "MAX" else r.mean(1) for r in runs], axis=1)
         elif anchor_type == "FIX":
             res = kb[:, np.arange(anchor_num) * (bs // anchor_num)]
@@ -129,23 +144,19 @@ def _score(q, anchors, candidates, quest, shared):
         for c in range(d):
             qsum[h // g, c] += q[h, c] / F32(na)
     out = np.empty((1 if shared else hkv, n), F32)
-    for i in prange(n):
+    for i in prange(n):  # elements indexed directly: no per-row views (atomic refcounts)
         b = candidates[i]
         tot = F32(0.0)
         for j in range(hkv):
             acc = F32(0.0)
             if quest:
-                lo, hi = anchors[j, b, 0], anchors[j, b, 1]
-                for hh in range(g):
-                    qh = q[j * g + hh]
+                for h in range(j * g, (j + 1) * g):
                     for c in range(d):
-                        acc += max(qh[c] * lo[c], qh[c] * hi[c])
+                        acc += max(q[h, c] * anchors[j, b, 0, c], q[h, c] * anchors[j, b, 1, c])
             else:
-                qj = qsum[j]
                 for a in range(na):
-                    an = anchors[j, b, a]
                     for c in range(d):
-                        acc += qj[c] * an[c]
+                        acc += qsum[j, c] * anchors[j, b, a, c]
             if shared:
                 tot += acc
             else:
@@ -161,6 +172,8 @@ def score_blocks(q, anchors, candidates, quest, shared):
     Per head: mean over anchors of q_h . anchor, or QUEST's bound sum_c max(q_c min_c, q_c max_c);
     summed over all heads (shared) or over each KV head's group.
     """
+    if anchors.dtype != np.float32 or anchors.ndim != 4 or not anchors.flags.c_contiguous:
+        raise ValueError("anchors must be a C-contiguous float32 [Hkv, nb_cap, A, d] array")
     candidates = np.ascontiguousarray(candidates, dtype=np.int32)
     if candidates.size and (candidates.min() < 0 or candidates.max() >= anchors.shape[1]):
         raise ValueError("candidate block id out of range")
@@ -185,36 +198,26 @@ def score_blocks_ref(q, anchors, candidates, quest, shared):
     return per_group.sum(0, keepdims=True) if shared else per_group
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _topk(scores, candidates, k):
-    s, n = scores.shape
-    out = np.empty((s, k), np.int32)
-    for r in prange(s):
-        row = scores[r]
-        thr = np.partition(row, n - k)[n - k]  # k-th largest
-        picked = np.empty(k, np.int32)
-        m = 0
-        for i in range(n):
-            if row[i] > thr:
-                picked[m] = candidates[i]
-                m += 1
-        for i in range(n):  # ties at the threshold: earliest first
-            if m < k and row[i] == thr:
-                picked[m] = candidates[i]
-                m += 1
-        out[r] = np.sort(picked)
-    return out
-
-
 def topk_blocks(scores, candidates, k):
-    """The k best candidates per row of scores [S, n]: [S, min(k, n)] int32, ascending ids."""
-    scores = np.ascontiguousarray(scores, dtype=np.float32)
-    candidates = np.ascontiguousarray(candidates, dtype=np.int32)
-    k = min(k, candidates.shape[0])
-    if k == 0:
-        return np.empty((scores.shape[0], 0), np.int32)
-    use_threads()
-    return _topk(scores, candidates, k)
+    """The k best candidates per row of scores [S, n]: [S, min(k, n)] int32, ascending ids.
+
+    Ties at the k-th score go to the earlier candidate. NumPy's O(n) partition per row: a Numba
+    version is no faster and costs seconds of compile.
+    """
+    scores = np.asarray(scores, dtype=np.float32)
+    candidates = np.asarray(candidates, dtype=np.int32)
+    n = candidates.shape[0]
+    k = min(k, n)
+    out = np.empty((scores.shape[0], k), np.int32)
+    if k == n or k == 0:
+        out[:] = np.sort(candidates)[:k]
+        return out
+    for r, row in enumerate(scores):
+        thr = np.partition(row, n - k)[n - k]  # k-th largest
+        above = np.flatnonzero(row > thr)
+        ties = np.flatnonzero(row == thr)[:k - above.size]
+        out[r] = np.sort(candidates[np.concatenate([above, ties])])
+    return out
 
 
 def topk_blocks_ref(scores, candidates, k):

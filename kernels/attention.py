@@ -1,168 +1,316 @@
 """Exact decode attention of one query token over selected KV blocks, with log-sum-exp partials.
 
-Work is split over (KV head x part of the block list): each item reads every K/V row of its blocks
-once for the g query heads of its KV head, streaming rows through a small float32 chunk buffer
-(decoded once, L1-resident); parts merge by log-sum-exp. Scores run in log2 units (q is scaled by
-scale * log2(e)) so the softmax uses the vectorised exp2 polynomial.
+Work is split over (KV head x part of the block list); parts merge by log-sum-exp. Each item walks
+its blocks in chunks of CH rows: scores for 4 query heads x 4 rows per register tile (each K/V row
+is read once from memory for the whole GQA group), an online softmax per chunk, then p @ V in the
+same tiles. Scores are in log2 units (q is pre-scaled by scale * log2(e)) for the exp2 polynomial.
+Queries and outputs use the packed channel order of `packed_channels` (see _vec.py).
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 from numba import njit, prange
 
-from ._simd import FASTMATH, LN2, LOG2E, NEG_INF, F32, exp2_neg, kv_to_f64, kv_view, qk_rows, to_f32
+from ._simd import F32, FASTMATH, LN2, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64
+from ._vec import (
+    W,
+    packed_channels,
+    prefetch,
+    row_addr,
+    vadd,
+    vexp2_neg,
+    vfma,
+    vhmax,
+    vhsum,
+    vload,
+    vload2,
+    vmax,
+    vmul,
+    vsplat,
+    vsplat4,
+    vstore,
+    vsub,
+    vsum4,
+    vzero,
+)
 from .threads import use_threads
+
+CH = 64  # rows per chunk (a multiple of 4)
+
+
+@njit(cache=True)
+def _prefetch_rows(pf, t, npf, row_bytes):
+    """Prefetch rows t..t+3 (those below npf) at addresses pf[]; the rows past the chunk's
+    last tile are taken with its last tile."""
+    hi = npf if t + 8 > CH else min(t + 4, npf)
+    for i in range(t, hi):
+        for off in range(0, row_bytes, 64):
+            prefetch(pf[i] + off)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _chunk(qg, kf, vf, nt, s, acc, m, den):
-    """Online-softmax update of one item's state with `nt` decoded rows.
+def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
+    """s[r, i] = qp[r] . K row i for rows i < nt (row i at address ra[i], d channels, tag's dtype).
 
-    qg [g, d] scaled queries; kf, vf [CH, d] f32 rows; s [g, CH] scratch;
-    acc [g, d], m [g], den [g]: running output sum, max, denominator (log2 units).
+    qp [R, P] packed queries (R % 4 == 0); s [R, CH]; columns nt..ceil4(nt) repeat the last row.
+    Rows pf[:npf] (the next chunk) are prefetched a tile at a time, spread over the compute.
     """
-    g, d = qg.shape
-    qk_rows(qg, kf, nt, s)
-    for h in range(g):  # softmax state, then p @ V
-        sh = s[h, :nt]
-        mb = NEG_INF
-        for t in range(nt):
-            mb = max(mb, sh[t])
-        mn = max(m[h], mb)
+    ng = qp.shape[1] // (2 * W)
+    for t in range(0, nt, 4):
+        _prefetch_rows(pf, t, npf, d * tag.itemsize)
+        last = nt - 1
+        k0, k1, k2, k3 = ra[t], ra[min(t + 1, last)], ra[min(t + 2, last)], ra[min(t + 3, last)]
+        for h in range(0, qp.shape[0], 4):
+            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero()
+            a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = vzero()
+            for gi in range(ng):
+                c = gi * 2 * W
+                e0, o0 = vload2(tag, k0, d, gi)
+                e1, o1 = vload2(tag, k1, d, gi)
+                e2, o2 = vload2(tag, k2, d, gi)
+                e3, o3 = vload2(tag, k3, d, gi)
+                qe, qo = vload(qp, h, c), vload(qp, h, c + W)
+                a00 = vfma(qe, e0, vfma(qo, o0, a00))
+                a01 = vfma(qe, e1, vfma(qo, o1, a01))
+                a02 = vfma(qe, e2, vfma(qo, o2, a02))
+                a03 = vfma(qe, e3, vfma(qo, o3, a03))
+                qe, qo = vload(qp, h + 1, c), vload(qp, h + 1, c + W)
+                a10 = vfma(qe, e0, vfma(qo, o0, a10))
+                a11 = vfma(qe, e1, vfma(qo, o1, a11))
+                a12 = vfma(qe, e2, vfma(qo, o2, a12))
+                a13 = vfma(qe, e3, vfma(qo, o3, a13))
+                qe, qo = vload(qp, h + 2, c), vload(qp, h + 2, c + W)
+                a20 = vfma(qe, e0, vfma(qo, o0, a20))
+                a21 = vfma(qe, e1, vfma(qo, o1, a21))
+                a22 = vfma(qe, e2, vfma(qo, o2, a22))
+                a23 = vfma(qe, e3, vfma(qo, o3, a23))
+                qe, qo = vload(qp, h + 3, c), vload(qp, h + 3, c + W)
+                a30 = vfma(qe, e0, vfma(qo, o0, a30))
+                a31 = vfma(qe, e1, vfma(qo, o1, a31))
+                a32 = vfma(qe, e2, vfma(qo, o2, a32))
+                a33 = vfma(qe, e3, vfma(qo, o3, a33))
+            vsum4(s, h, t, a00, a01, a02, a03)
+            vsum4(s, h + 1, t, a10, a11, a12, a13)
+            vsum4(s, h + 2, t, a20, a21, a22, a23)
+            vsum4(s, h + 3, t, a30, a31, a32, a33)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
+    """acc[r] += sum_i s[r, i] * V row i over rows i < nt (row i at address rv[i]).
+
+    s [R, CH] probabilities with columns nt..ceil4(nt) zero; acc [R, P] packed (R % 4 == 0).
+    Rows pf[:npf] are prefetched as in qk_tiles.
+    """
+    ng = acc.shape[1] // (2 * W)
+    for t in range(0, nt, 4):
+        _prefetch_rows(pf, t, npf, d * tag.itemsize)
+        last = nt - 1
+        v0, v1, v2, v3 = rv[t], rv[min(t + 1, last)], rv[min(t + 2, last)], rv[min(t + 3, last)]
+        for h in range(0, acc.shape[0], 4):
+            p00, p01, p02, p03 = vsplat4(s, h, t)
+            p10, p11, p12, p13 = vsplat4(s, h + 1, t)
+            p20, p21, p22, p23 = vsplat4(s, h + 2, t)
+            p30, p31, p32, p33 = vsplat4(s, h + 3, t)
+            for gi in range(ng):
+                c = gi * 2 * W
+                e0, o0 = vload2(tag, v0, d, gi)
+                e1, o1 = vload2(tag, v1, d, gi)
+                e2, o2 = vload2(tag, v2, d, gi)
+                e3, o3 = vload2(tag, v3, d, gi)
+                x = vfma(p02, e2, vfma(p03, e3, vload(acc, h, c)))
+                vstore(acc, h, c, vfma(p00, e0, vfma(p01, e1, x)))
+                x = vfma(p02, o2, vfma(p03, o3, vload(acc, h, c + W)))
+                vstore(acc, h, c + W, vfma(p00, o0, vfma(p01, o1, x)))
+                x = vfma(p12, e2, vfma(p13, e3, vload(acc, h + 1, c)))
+                vstore(acc, h + 1, c, vfma(p10, e0, vfma(p11, e1, x)))
+                x = vfma(p12, o2, vfma(p13, o3, vload(acc, h + 1, c + W)))
+                vstore(acc, h + 1, c + W, vfma(p10, o0, vfma(p11, o1, x)))
+                x = vfma(p22, e2, vfma(p23, e3, vload(acc, h + 2, c)))
+                vstore(acc, h + 2, c, vfma(p20, e0, vfma(p21, e1, x)))
+                x = vfma(p22, o2, vfma(p23, o3, vload(acc, h + 2, c + W)))
+                vstore(acc, h + 2, c + W, vfma(p20, o0, vfma(p21, o1, x)))
+                x = vfma(p32, e2, vfma(p33, e3, vload(acc, h + 3, c)))
+                vstore(acc, h + 3, c, vfma(p30, e0, vfma(p31, e1, x)))
+                x = vfma(p32, o2, vfma(p33, o3, vload(acc, h + 3, c + W)))
+                vstore(acc, h + 3, c + W, vfma(p30, o0, vfma(p31, o1, x)))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _chunk(qp, tag, ra, rv, nt, d, s, acc, m, den, ra_next, rv_next, n_next):
+    """Online-softmax update of an item's state acc [R, P], m, den [R] (log2 units) by nt rows;
+    prefetches the next chunk's n_next rows (K during scores, V during p @ V)."""
+    qk_tiles(qp, tag, ra, nt, d, s, ra_next, n_next)
+    for h in range(qp.shape[0]):
+        for t in range(nt, CH):
+            s[h, t] = NEG_INF
+        mv = vload(s, h, 0)
+        for c in range(W, CH, W):
+            mv = vmax(mv, vload(s, h, c))
+        mn = max(m[h], vhmax(mv))
         alpha = exp2_neg(m[h] - mn)
-        tot = F32(0.0)
-        for t in range(nt):
-            p = exp2_neg(sh[t] - mn)
-            sh[t] = p
-            tot += p
-        den[h] = den[h] * alpha + tot
+        mv = vsplat(mn)
+        tot = vzero()
+        for c in range(0, CH, W):
+            p = vexp2_neg(vsub(vload(s, h, c), mv))
+            vstore(s, h, c, p)
+            tot = vadd(tot, p)
+        den[h] = den[h] * alpha + vhsum(tot)
         m[h] = mn
-        ah = acc[h]
         if alpha != F32(1.0):
-            for c in range(d):
-                ah[c] *= alpha
-        t = 0
-        while t + 4 <= nt:
-            p0, p1, p2, p3 = sh[t], sh[t + 1], sh[t + 2], sh[t + 3]
-            v0, v1, v2, v3 = vf[t], vf[t + 1], vf[t + 2], vf[t + 3]
-            for c in range(d):
-                ah[c] += p0 * v0[c] + p1 * v1[c] + p2 * v2[c] + p3 * v3[c]
-            t += 4
-        while t < nt:
-            p0 = sh[t]
-            vt = vf[t]
-            for c in range(d):
-                ah[c] += p0 * vt[c]
-            t += 1
+            av = vsplat(alpha)
+            for c in range(0, acc.shape[1], W):
+                vstore(acc, h, c, vmul(vload(acc, h, c), av))
+    _pv_tiles(s, tag, rv, nt, d, acc, rv_next, n_next)
 
 
-@njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _item(qg, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc, m, den):
-    """Attend KV head j's query group qg [g, d] over blocks `ids`; updates acc [g, d], m, den [g]."""
-    bs, d = k_tail.shape[2], k_tail.shape[3]
-    ch = max(4, 4096 // d)  # rows per chunk: kf + vf stay in L1
-    kf = np.empty((ch, d), F32)  # [CH, d]
-    vf = np.empty((ch, d), F32)
-    s = np.empty((qg.shape[0], ch), F32)  # [g, CH]
-    fill = 0
-    for b in ids:
-        if b < nb_base:
-            kb, vb = k_base[j, b], v_base[j, b]  # [bs, d]
-        else:
-            kb, vb = k_tail[j, b - nb_base], v_tail[j, b - nb_base]
-        nt = min(bs, n_tokens - b * bs)
-        t = 0
-        while t < nt:
-            take = min(nt - t, ch - fill)
-            for r in range(take):
-                kr, vr = kb[t + r], vb[t + r]
-                kd, vd = kf[fill + r], vf[fill + r]
-                for c in range(d):
-                    kd[c] = to_f32(kr[c])
-                    vd[c] = to_f32(vr[c])
-            fill += take
-            t += take
-            if fill == ch or (t == nt and b == ids[-1]):
-                _chunk(qg, kf, vf, fill, s, acc, m, den)
-                fill = 0
+@njit(nogil=True, cache=True)
+def _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t, ra, rv):
+    """Addresses of the next (up to CH) K/V rows from token t of block ids[i].
+
+    Returns (rows filled, next i, next t).
+    """
+    bs = k_tail.shape[2]
+    nt = 0
+    while nt < CH and i < ids.shape[0]:
+        b = ids[i]
+        end = min(bs, n_tokens - b * bs)
+        take = min(CH - nt, end - t)
+        for r in range(take):
+            if b < nb_base:
+                ka, va = row_addr(k_base, j, b, t + r), row_addr(v_base, j, b, t + r)
+            else:
+                ka = row_addr(k_tail, j, b - nb_base, t + r)
+                va = row_addr(v_tail, j, b - nb_base, t + r)
+            ra[nt + r], rv[nt + r] = ka, va
+        nt += take
+        t += take
+        if t == end:
+            i, t = i + 1, 0
+    return nt, i, t
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
-def _attend(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, n_split):
-    # q [Hq, d] f32 scaled; K/V [Hkv, nb, bs, d]; blocks [S, n] int32
-    hq, d = q.shape
+@njit(nogil=True, cache=True)
+def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc, m, den):
+    """Attend packed queries qp [R, P] of KV head j over blocks `ids`, chunk by chunk; the rows
+    of the next chunk are prefetched while the current one is computed."""
+    ra = np.empty((2, CH), np.intp)  # K row addresses, two chunks
+    rv = np.empty((2, CH), np.intp)  # V row addresses
+    s = np.empty((qp.shape[0], CH), F32)  # [R, CH]
+    nt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, 0, 0, ra[0], rv[0])
+    cur = 0
+    while nt > 0:
+        nxt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t,
+                          ra[1 - cur], rv[1 - cur])
+        _chunk(qp, k_tail, ra[cur], rv[cur], nt, k_tail.shape[3], s, acc, m, den, ra[1 - cur],
+               rv[1 - cur], nxt)
+        nt, cur = nxt, 1 - cur
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_tokens, n_split, scale,
+            perm):
+    # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, d*size]; blocks [S, n] int32; perm [P] (packing)
     hkv = k_tail.shape[0]
-    g = hq // hkv
+    qp = pack_rows(q, hkv, perm, scale)  # [Hkv, R, P]
+    r, p = qp.shape[1], qp.shape[2]
     n = blocks.shape[1]
     n_items = hkv * n_split
-    acc = np.zeros((n_items, g, d), F32)  # [items, g, d]
-    mx = np.full((n_items, g), NEG_INF)
-    den = np.zeros((n_items, g), F32)
+    acc = np.zeros((n_items, r, p), F32)  # [items, R, P]
+    mx = np.full((n_items, r), NEG_INF)
+    den = np.zeros((n_items, r), F32)
     for item in prange(n_items):
         j, part = item // n_split, item % n_split
-        ids = blocks[0 if blocks.shape[0] == 1 else j, part * n // n_split:(part + 1) * n // n_split]
-        if ids.size:
-            _item(q[j * g:(j + 1) * g], k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j,
-                  acc[item], mx[item], den[item])
-    return _merge_parts(acc, mx, den, hq)
+        row = 0 if blocks.shape[0] == 1 else j
+        ids = blocks[row, part * n // n_split:(part + 1) * n // n_split]
+        if kind == 1:  # view the bytes back as the storage dtype
+            _item(qp[j], k_base.view(np.uint16), v_base.view(np.uint16), k_tail.view(np.uint16),
+                  v_tail.view(np.uint16), nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
+        elif kind == 2:
+            _item(qp[j], k_base.view(np.int16), v_base.view(np.int16), k_tail.view(np.int16),
+                  v_tail.view(np.int16), nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
+        else:
+            _item(qp[j], k_base.view(F32), v_base.view(F32), k_tail.view(F32), v_tail.view(F32),
+                  nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
+    return _merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
+
+
+@njit(nogil=True, cache=True)
+def pack_rows(x, hkv, perm, scale):
+    """x [Hkv*g, d] -> [Hkv, R, P] f32 times scale: each KV head's g rows padded to R = ceil4(g),
+    channels in packed order (perm[p] = channel at packed position p, -1 = zero padding)."""
+    g = x.shape[0] // hkv
+    out = np.zeros((hkv, -(-g // 4) * 4, perm.shape[0]), F32)
+    for h in range(x.shape[0]):
+        for p in range(perm.shape[0]):
+            if perm[p] >= 0:
+                out[h // g, h % g, p] = x[h, perm[p]] * scale
+    return out
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _merge_parts(acc, mx, den, hq):
-    """Merge item states acc [Hkv*n_split, g, d], mx/den [Hkv*n_split, g] into (out, lse)."""
-    g, d = acc.shape[1], acc.shape[2]
-    n_split = acc.shape[0] * g // hq
-    out = np.zeros((hq, d), F32)
-    lse = np.empty(hq, F32)
-    for h in range(hq):
-        j, hh = h // g, h % g
-        big = NEG_INF
-        for p in range(n_split):
-            big = max(big, mx[j * n_split + p, hh])
-        if big == NEG_INF:
-            lse[h] = NEG_INF
-            continue
-        tot = F32(0.0)
-        oh = out[h]
-        for p in range(n_split):
-            w = exp2_neg(mx[j * n_split + p, hh] - big)
-            tot += w * den[j * n_split + p, hh]
-            ap = acc[j * n_split + p, hh]
-            for c in range(d):
-                oh[c] += w * ap[c]
-        inv = F32(1.0) / tot
-        for c in range(d):
-            oh[c] *= inv
-        lse[h] = (big + np.log2(tot)) * LN2
-    return out, lse
+def _merge_items(acc, mx, den, n_split, g, d, perm):
+    """Merge item states acc [Hkv*n_split, R, P], mx/den [Hkv*n_split, R] (log2 units) into
+    out [Hkv*g, d] (channel order) and lse [Hkv*g] (natural log)."""
+    n_items, _, p = acc.shape
+    hkv = n_items // n_split
+    out = np.zeros((hkv * g, perm.shape[0]), F32)  # packed order, unpacked below
+    lse = np.full(hkv * g, NEG_INF)
+    for j in range(hkv):
+        for h in range(g):
+            big = NEG_INF
+            for i in range(j * n_split, (j + 1) * n_split):
+                big = max(big, mx[i, h])
+            if big == NEG_INF:
+                continue
+            tot = F32(0.0)
+            for i in range(j * n_split, (j + 1) * n_split):
+                w = exp2_neg(mx[i, h] - big)
+                tot += w * den[i, h]
+                for c in range(p):
+                    out[j * g + h, c] += w * acc[i, h, c]
+            inv = F32(1.0) / tot
+            for c in range(p):
+                out[j * g + h, c] *= inv
+            lse[j * g + h] = (big + np.log2(tot)) * LN2
+    res = np.empty((hkv * g, d), F32)
+    for h in range(hkv * g):
+        for c in range(p):
+            if perm[c] >= 0:
+                res[h, perm[c]] = out[h, c]
+    return res, lse
 
 
-def _check_kv(name: str, a: np.ndarray) -> None:
-    if a.ndim != 4 or not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be a C-contiguous [Hkv, nb, bs, d] array")
+@lru_cache(maxsize=16)
+def channel_perm(d: int, kv_kind: int) -> np.ndarray:
+    """Packed channel order for head_dim d and a KV dtype (see _vec.packed_channels)."""
+    return packed_channels(d, kv_kind)
 
 
 def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
     """Exact attention of one query token over the listed blocks.
 
     q [Hq, d] f32; k/v_base [Hkv, nb_base, bs, d], k/v_tail [Hkv, nb_tail_cap, bs, d] (float32 or
-    uint16 bits per kv_kind 0 FP32, 1 BF16, 2 FP16); blocks int32 [S, n] with S 1 (SHARED) or Hkv.
-    Returns out [Hq, d] f32 and lse [Hq] f32 (natural log of the summed exp(scale * q.k)).
+    uint16 bits per kv_kind 0 FP32, 1 BF16, 2 FP16); blocks int32 [S, n] with S 1 (SHARED) or Hkv,
+    ascending, no repeats. Returns out [Hq, d] f32 and lse [Hq] f32 (natural log of the summed
+    exp(scale * q.k); -inf and out 0 for a head with no tokens).
     """
-    for name, a in (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail)):
-        _check_kv(name, a)
+    kv = [kv_bytes(name, a, kv_kind) for name, a in
+          (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail))]
     hkv, _, bs, d = k_tail.shape
     if q.ndim != 2 or q.shape[1] != d or q.shape[0] % hkv:
         raise ValueError(f"q must be [Hq, {d}] with Hq a multiple of {hkv}, got {q.shape}")
     blocks = np.ascontiguousarray(blocks, dtype=np.int32)
     if blocks.ndim != 2 or blocks.shape[0] not in (1, hkv):
         raise ValueError(f"blocks must be [1 or {hkv}, n], got {blocks.shape}")
-    if blocks.size and (blocks.min() < 0 or blocks.max() >= min(nb_base + k_tail.shape[1], -(-n_tokens // bs))):
-        raise ValueError("block id out of range")
-    qs = np.ascontiguousarray(q, dtype=np.float32) * F32(scale * LOG2E)
+    n_blocks = min(nb_base + k_tail.shape[1], -(-n_tokens // bs))
+    if blocks.size and (blocks.min() < 0 or blocks.max() >= n_blocks):
+        raise ValueError(f"block id out of range 0..{n_blocks - 1}")
     n_split = max(1, min(-(-2 * use_threads() // hkv), blocks.shape[1]))
-    kv = [kv_view(a, kv_kind) for a in (k_base, v_base, k_tail, v_tail)]
-    return _attend(qs, *kv, nb_base, blocks, n_tokens, n_split)
+    return _attend(np.ascontiguousarray(q, dtype=F32), *kv, kv_kind, nb_base, blocks, n_tokens,
+                   n_split, F32(scale * LOG2E), channel_perm(d, kv_kind))
 
 
 def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
@@ -176,7 +324,7 @@ def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_toke
     for h in range(q.shape[0]):
         j = h // g
         ids = blocks[0 if blocks.shape[0] == 1 else j]
-        tok = (ids[:, None] * bs + np.arange(bs)).ravel()
+        tok = (np.asarray(ids, np.int64)[:, None] * bs + np.arange(bs)).ravel()
         tok = tok[tok < n_tokens]
         if tok.size == 0:
             continue
@@ -186,29 +334,22 @@ def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_toke
     return out, lse
 
 
-@njit(nogil=True, cache=True)
-def _merge(out_a, lse_a, out_b, lse_b):
-    out = np.zeros_like(out_a)
-    lse = np.empty_like(lse_a)
-    for h in range(out_a.shape[0]):
-        big = max(lse_a[h], lse_b[h])
-        if big == -np.inf:
-            lse[h] = lse_a[h]
-            continue
-        wa, wb = np.exp(lse_a[h] - big), np.exp(lse_b[h] - big)
-        tot = wa + wb
-        out[h] = (wa / tot) * out_a[h] + (wb / tot) * out_b[h]
-        lse[h] = big + np.log(tot)
-    return out, lse
-
-
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Exact log-sum-exp merge of two attention results over disjoint token sets.
 
-    out_* [Hq, d], lse_* [Hq] (float32); an empty part has lse -inf. Returns (out, lse) float32.
+    out_* [Hq, d], lse_* [Hq]; an empty part has lse -inf. Returns (out, lse) float32.
     """
-    f = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
-    return _merge(f(out_a), f(lse_a), f(out_b), f(lse_b))
+    la, lb = np.asarray(lse_a, F32), np.asarray(lse_b, F32)
+    big = np.maximum(la, lb)
+    safe = np.where(np.isfinite(big), big, F32(0.0))
+    wa, wb = np.exp(la - safe), np.exp(lb - safe)  # exp(-inf) = 0 for an empty part
+    tot = wa + wb
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = (wa / tot)[:, None] * out_a + (wb / tot)[:, None] * out_b
+        lse = safe + np.log(tot)
+    empty = tot == 0
+    out[empty], lse[empty] = 0.0, -np.inf
+    return out.astype(F32), lse.astype(F32)
 
 
 def merge_partials_ref(out_a, lse_a, out_b, lse_b):

@@ -1,6 +1,6 @@
 """Attention votes of the prompt's last W queries over every key (DYNAMIC anchors, preselection).
 
-Two passes over the keys, block by block, so nothing of size W x n_tokens x Hq is ever held:
+Two passes over the keys, chunk by chunk, so nothing of size W x n_tokens x Hq is ever held:
 pass 1 finds each query row's log-sum-exp (online max + sum), pass 2 recomputes the scores and adds
 each key's softmax probability, summed over the rows of its KV head's group.
 """
@@ -9,81 +9,116 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import FASTMATH, F32, LOG2E, NEG_INF, exp2_neg, kv_to_f64, kv_view, qk_rows, to_f32
+from ._simd import F32, FASTMATH, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64
+from ._vec import (
+    W,
+    row_addr,
+    vadd,
+    vexp2_neg,
+    vhmax,
+    vhsum,
+    vload,
+    vmax,
+    vsplat,
+    vstore,
+    vsub,
+    vzero,
+)
+from .attention import CH, channel_perm, pack_rows, qk_tiles
 from .threads import use_threads
 
 
-@njit(inline="always", fastmath=FASTMATH, cache=True)
-def _scores(qr, kb, p0, nt, n_tokens, w, kf, s):
-    """s[r, :nt] = qr[r] . key (log2 units) for keys p0..p0+nt-1 of block kb; causal mask.
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
+def _part(qp, k_base, k_tail, nb_base, n_tokens, nw, real, j, b0, b1, m, den, lse, votes):
+    """Blocks b0..b1-1 of KV head j for the first `real` rows of qp [R, P].
 
-    qr [g*W, d] rows ordered (head, w); query w sits at position n_tokens - W + w.
+    Pass 1 (lse empty): update each row's running max m and sum den [R] (log2 units).
+    Pass 2: add the probabilities exp2(s - lse) to votes [n_tokens].
     """
-    d = qr.shape[1]
-    for t in range(nt):
-        kr, kd = kb[t], kf[t]
-        for c in range(d):
-            kd[c] = to_f32(kr[c])
-    qk_rows(qr, kf, nt, s)
-    first_q = n_tokens - w
-    for t in range(nt):
-        late = p0 + t - first_q  # queries w < late cannot see this key
-        if late > 0:
-            for r in range(qr.shape[0]):
-                if r % w < late:
-                    s[r, t] = NEG_INF
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
-def _votes(qr, k_base, k_tail, nb_base, n_tokens, w, n_split):
-    # qr [Hkv, g*W, d] scaled rows; K [Hkv, nb, bs, d] -> votes [Hkv, n_tokens] f32
-    hkv, rows, d = qr.shape
     bs = k_tail.shape[2]
-    nblk = -(-n_tokens // bs)
+    rows = qp.shape[0]
+    d = k_tail.shape[3]
+    ra = np.empty(CH, np.intp)  # K row addresses of the chunk
+    s = np.empty((rows, CH), F32)  # [R, CH]
+    col = np.empty((1, CH), F32)  # pass 2: probabilities summed over rows
+    first_q = n_tokens - nw  # position of query 0
+    for b in range(b0, b1):
+        nb = min(bs, n_tokens - b * bs)
+        for t0 in range(0, nb, CH):
+            nt = min(CH, nb - t0)
+            for i in range(nt):
+                if b < nb_base:
+                    ra[i] = row_addr(k_base, j, b, t0 + i)
+                else:
+                    ra[i] = row_addr(k_tail, j, b - nb_base, t0 + i)
+            qk_tiles(qp, k_tail, ra, nt, d, s, ra, np.int64(0))  # nothing to prefetch
+            p0 = b * bs + t0
+            for i in range(nt):  # causal: query w sees keys up to first_q + w
+                late = p0 + i - first_q
+                if late > 0:
+                    for r in range(real):
+                        if r % nw < late:
+                            s[r, i] = NEG_INF
+            for r in range(real):
+                for i in range(nt, CH):
+                    s[r, i] = NEG_INF
+            if lse.size == 0:  # pass 1
+                for r in range(real):
+                    mv = vload(s, r, 0)
+                    for c in range(W, CH, W):
+                        mv = vmax(mv, vload(s, r, c))
+                    mn = max(m[r], vhmax(mv))
+                    if mn == NEG_INF:
+                        continue
+                    mv, tot = vsplat(mn), vzero()
+                    for c in range(0, CH, W):
+                        tot = vadd(tot, vexp2_neg(vsub(vload(s, r, c), mv)))
+                    den[r] = den[r] * exp2_neg(m[r] - mn) + vhsum(tot)
+                    m[r] = mn
+            else:  # pass 2
+                for c in range(0, CH, W):
+                    tot = vzero()
+                    for r in range(real):
+                        tot = vadd(tot, vexp2_neg(vsub(vload(s, r, c), vsplat(lse[r]))))
+                    vstore(col, 0, c, tot)
+                for i in range(nt):
+                    votes[p0 + i] += col[0, i]
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _votes(qp, k_base, k_tail, kind, nb_base, n_tokens, nw, real, n_split):
+    # qp [Hkv, R, P] packed scaled rows (head, w); K bytes [Hkv, nb, bs, d*size] -> [Hkv, n_tokens]
+    hkv, rows, _ = qp.shape
+    nblk = -(-n_tokens // k_tail.shape[2])
     n_items = hkv * n_split
     mx = np.full((n_items, rows), NEG_INF)
     den = np.zeros((n_items, rows), F32)
     votes = np.zeros((hkv, n_tokens), F32)
-    lse = np.empty((hkv, rows), F32)
-    for pas in range(2):
+    lse = np.full((hkv, rows), NEG_INF)
+    none = np.empty(0, F32)
+    for pas in range(2):  # 1: row log-sum-exp per part; 2: probabilities (needs the merged lse)
         for item in prange(n_items):
             j, part = item // n_split, item % n_split
-            kf = np.empty((bs, d), F32)  # [bs, d]
-            s = np.empty((rows, bs), F32)  # [rows, bs]
-            m, l = mx[item], den[item]
-            for b in range(part * nblk // n_split, (part + 1) * nblk // n_split):
-                kb = k_base[j, b] if b < nb_base else k_tail[j, b - nb_base]
-                nt = min(bs, n_tokens - b * bs)
-                _scores(qr[j], kb, b * bs, nt, n_tokens, w, kf, s)
-                if pas == 0:
-                    for r in range(rows):
-                        sr = s[r, :nt]
-                        mb = NEG_INF
-                        for t in range(nt):
-                            mb = max(mb, sr[t])
-                        mn = max(m[r], mb)
-                        if mn == NEG_INF:
-                            continue
-                        tot = F32(0.0)
-                        for t in range(nt):
-                            tot += exp2_neg(sr[t] - mn)
-                        l[r] = l[r] * exp2_neg(m[r] - mn) + tot
-                        m[r] = mn
-                else:
-                    vb = votes[j, b * bs:b * bs + nt]
-                    for r in range(rows):
-                        sr, lr = s[r, :nt], lse[j, r]
-                        for t in range(nt):
-                            vb[t] += exp2_neg(sr[t] - lr)
+            b0, b1 = part * nblk // n_split, (part + 1) * nblk // n_split
+            ls = none if pas == 0 else lse[j]
+            if kind == 1:  # view the bytes back as the storage dtype
+                _part(qp[j], k_base.view(np.uint16), k_tail.view(np.uint16), nb_base, n_tokens, nw,
+                      real, j, b0, b1, mx[item], den[item], ls, votes[j])
+            elif kind == 2:
+                _part(qp[j], k_base.view(np.int16), k_tail.view(np.int16), nb_base, n_tokens, nw,
+                      real, j, b0, b1, mx[item], den[item], ls, votes[j])
+            else:
+                _part(qp[j], k_base.view(F32), k_tail.view(F32), nb_base, n_tokens, nw, real, j,
+                      b0, b1, mx[item], den[item], ls, votes[j])
         if pas == 0:
-            for j in range(hkv):  # merge parts into each row's log2-sum-exp
-                for r in range(rows):
+            for j in range(hkv):  # merge parts: log2-sum-exp per row
+                for r in range(real):
                     big = NEG_INF
-                    for p in range(n_split):
-                        big = max(big, mx[j * n_split + p, r])
+                    for i in range(j * n_split, (j + 1) * n_split):
+                        big = max(big, mx[i, r])
                     tot = F32(0.0)
-                    for p in range(n_split):
-                        tot += den[j * n_split + p, r] * exp2_neg(mx[j * n_split + p, r] - big)
+                    for i in range(j * n_split, (j + 1) * n_split):
+                        tot += den[i, r] * exp2_neg(mx[i, r] - big)
                     lse[j, r] = big + np.log2(tot)
     return votes
 
@@ -94,30 +129,30 @@ def query_votes(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
     qw [Hq, W, d] f32, query w at position n_tokens - W + w (causal); K storage per kv_kind.
     Entry [j, t] sums, over KV head j's query heads and the W queries, the softmax weight of key t.
     """
+    kb, kt = kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind)
     hkv, _, bs, d = k_tail.shape
-    hq, w, _ = qw.shape
-    if hq % hkv or qw.shape[2] != d or not 1 <= w <= n_tokens:
+    hq, nw, _ = qw.shape
+    if hq % hkv or qw.shape[2] != d or not 1 <= nw <= n_tokens:
         raise ValueError(f"qw must be [Hq, W <= n_tokens, {d}], got {qw.shape}")
     if -(-n_tokens // bs) > nb_base + k_tail.shape[1]:
         raise ValueError("n_tokens exceeds the store")
-    qr = np.ascontiguousarray(qw, dtype=np.float32).reshape(hkv, (hq // hkv) * w, d)
-    qr = qr * F32(scale * LOG2E)  # [Hkv, g*W, d], rows (head, w)
+    rows = np.asarray(qw, dtype=np.float32).reshape(hq * nw, d)  # rows (head, w) per group
+    qp = pack_rows(rows, hkv, channel_perm(d, kv_kind), F32(scale * LOG2E))  # [Hkv, ceil4(gW), P]
     n_split = max(1, min(-(-2 * use_threads() // hkv), -(-n_tokens // bs)))
-    return _votes(qr, kv_view(k_base, kv_kind), kv_view(k_tail, kv_kind), nb_base, n_tokens, w,
-                  n_split)
+    return _votes(qp, kb, kt, kv_kind, nb_base, n_tokens, nw, (hq // hkv) * nw, n_split)
 
 
 def query_votes_ref(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
     """float64 NumPy reference of `query_votes`."""
     hkv, _, _, d = k_tail.shape
-    hq, w, _ = qw.shape
+    hq, nw, _ = qw.shape
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
     k = k.reshape(hkv, -1, d)[:, :n_tokens]  # [Hkv, T, d]
     votes = np.zeros((hkv, n_tokens))
     for h in range(hq):
         j = h // (hq // hkv)
-        for i in range(w):
-            pos = n_tokens - w + i
+        for i in range(nw):
+            pos = n_tokens - nw + i
             s = scale * (k[j, :pos + 1] @ qw[h, i].astype(np.float64))
             votes[j, :pos + 1] += np.exp(s - np.logaddexp.reduce(s))
     return votes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,16 @@ from ktlong.documents import Document, read_document
 from ktlong.errors import KtlongError
 
 PROGRESS_MIN_TOKENS = 2048  # a turn shorter than this prefills without a progress bar
+
+
+def is_interrupt(e: BaseException | None) -> bool:
+    """Ctrl-C, also when it hit a running Numba kernel: Numba then raises SystemError ("returned
+    a result with an exception set") with the KeyboardInterrupt as its context."""
+    for _ in range(4):
+        if e is None or isinstance(e, KeyboardInterrupt):
+            return e is not None
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @dataclass
@@ -196,7 +207,9 @@ class ChatLoop:
         try:
             for step in steps:
                 self.ui.token(step)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemError) as e:
+            if not is_interrupt(e):
+                raise
             steps.close()
             self.ui.interrupted()
         if self.last is None:
@@ -227,6 +240,15 @@ class ChatLoop:
             self.ui.error(e)
         except KeyboardInterrupt:
             self.ui.note("stopped")
+        except Exception as e:  # a bug should not cost the chat: ask() keeps the store whole
+            if is_interrupt(e):
+                self.ui.note("stopped")
+                return True
+            if os.environ.get("KTLONG_DEBUG", "") not in ("", "0"):
+                raise
+            first = str(e).splitlines()[0] if str(e) else ""
+            self.ui.error(KtlongError(f"{type(e).__name__}: {first}",
+                                      hint="set KTLONG_DEBUG=1 for the traceback"))
         return True
 
     def repl(self, read: Callable[[], str]) -> int:
@@ -284,6 +306,27 @@ class ChatLoop:
         self.session = None  # the system prompt precedes the document in every template
         self.open()
 
+    @command("/save", "NAME", "keep this conversation (its KV cache and text) under NAME")
+    def _save(self, arg: str) -> None:
+        from ktlong.promptcache import save_conversation
+
+        if not arg:
+            raise KtlongError("/save needs a name: /save NAME")
+        path = save_conversation(self.session, arg, self.cache_dir, self.state())
+        self.ui.note(f"saved as '{arg}' ({path.stat().st_size / 1e9:.2f} GB); /load {arg} "
+                     "resumes it, here or in a later chat")
+
+    @command("/load", "NAME", "resume a conversation kept with /save (same model)")
+    def _load(self, arg: str) -> None:
+        from ktlong.promptcache import load_conversation
+
+        if not arg:
+            raise KtlongError("/load needs a name: /load NAME")
+        session, state = load_conversation(self.lm, self.settings, arg, self.cache_dir)
+        self.resume(session, state)
+        self.ui.note(f"resumed '{arg}': {len(self.conv.turns)} turns, "
+                     f"{len(session.tokens):,} tokens, nothing re-read")
+
     @command("/exit", "", "leave (or Ctrl-D)")
     def _exit(self, arg: str) -> bool:
         return False
@@ -323,6 +366,8 @@ def run(model: Path | None, prompt_file: str | None, settings: Settings, *,
             if answer is None or answer.stop == "interrupted":
                 return 130
         return 0
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemError) as e:
+        if not is_interrupt(e):
+            raise
         ui.note("interrupted")
         return 130

@@ -12,6 +12,7 @@ prompt, within 2 s) ends the chat with exit 130; Ctrl-D on an empty prompt ends 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -66,13 +67,17 @@ class TerminalUI:
         self.err = err or Console(file=sys.stderr, highlight=False, soft_wrap=True)
         self._col = 0  # characters written on the current answer line
         self.last_interrupt = -1e9  # time.monotonic() of the last Ctrl-C
+        self._said_plain = False
 
     # --- loading and prefill -----------------------------------------------------------------
     @contextmanager
     def loading(self, path: Path) -> Iterator[None]:
+        """A spinner while the model loads, instead of transformers' own progress bars."""
+        # GGUF conversion uses tqdm directly; tqdm reads TQDM_* when first imported
+        os.environ.setdefault("TQDM_DISABLE", "1")
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # our own spinner instead of the weight loader's bar
+        hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         with self.err.status(f"loading {escape(str(path))}"):
             yield
@@ -111,15 +116,16 @@ class TerminalUI:
         self.err.print(f"[bold]{escape(name)}[/]: {n:,} tokens {how}")
         if opened.note:
             self.err.print(f"[yellow]{escape(opened.note)}[/]")
+        if loop.conv.plain and not self._said_plain:
+            self._said_plain = True
+            self.err.print("[yellow]the model has no chat template: using a plain "
+                           "'User: … / Assistant:' format[/]")
 
     def banner(self, loop: Any) -> None:
         spec = loop.lm.spec
         self.err.print(f"[bold]ktlong chat[/] · {escape(Path(spec.path).name)} ({spec.arch}, "
                        f"{spec.n_layers} layers) · {loop.settings.attention.lower()} attention · "
                        f"max_seq_len {loop.settings.max_seq_len:,}")
-        if loop.conv.plain:
-            self.err.print("[yellow]the model has no chat template: using a plain "
-                           "'User: … / Assistant:' format[/]")
         self.err.print(f"[dim]{KEYS} · /help for commands[/]")
 
     # --- answers -----------------------------------------------------------------------------
@@ -162,7 +168,7 @@ class TerminalUI:
         for c in commands.values():
             table.add_row(Text(f"{c.name} {c.usage}".rstrip(), style="bold"), c.help)
         self.out.print(table)
-        self.out.print(f"[dim]{KEYS} (so does Ctrl-C on an empty prompt). A line starting with "
+        self.out.print(f"[dim]{KEYS} (so does Ctrl-C twice). A line starting with "
                        "// sends a question that starts with /.[/]")
 
     def stats(self, loop: Any) -> None:

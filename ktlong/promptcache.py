@@ -393,17 +393,31 @@ def open_document(lm: LoadedModel, settings: Settings, ids: list[int],
     return Opened(session, "prefill", path, note)
 
 
-def save_conversation(session: Session, name: str, cache_dir: Path | None = None) -> Path:
-    """Keep the whole conversation's KV under `name` (chat's /save)."""
+def save_conversation(session: Session, name: str, cache_dir: Path | None = None,
+                      state: dict[str, Any] | None = None) -> Path:
+    """Keep the whole conversation's KV under `name`, and `state` (the chat's text) beside it."""
     if not name.replace("-", "").replace("_", "").isalnum():
         raise KtlongError(f"bad name '{name}': use letters, digits, '-' and '_'")
     cache = open_cache(session.settings, cache_dir)
-    return cache.store(session, content_key(session.lm.spec, session.settings), "saved", name)
+    path = cache.store(session, content_key(session.lm.spec, session.settings), "saved", name)
+    side = path.with_suffix(".json")
+    tmp = side.with_name(f"{side.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state or {}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, side)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise KtlongError(f"could not save '{name}': {e.strerror}") from None
+    return path
 
 
 def load_conversation(lm: LoadedModel, settings: Settings, name: str,
-                      cache_dir: Path | None = None) -> Session:
-    """A Session resumed from a /save (chat's /load)."""
+                      cache_dir: Path | None = None) -> tuple[Session, dict[str, Any]]:
+    """A Session resumed from a /save (chat's /load), and the state saved with it."""
     cache = open_cache(settings, cache_dir)
     path = cache.root / "saved" / f"{name}{SUFFIX}"
     if not path.exists():
@@ -413,10 +427,15 @@ def load_conversation(lm: LoadedModel, settings: Settings, name: str,
     if header.get("content") != content_key(lm.spec, settings):
         raise KtlongError(f"'{name}' was saved with another model or kv_type/block_size",
                           hint=f"it was made with {header.get('model_path')}")
-    store, ids, _ = cache._open(Entry(path, header, 0, 0), settings)
+    try:
+        store, ids, _ = cache._open(Entry(path, header, 0, 0), settings)
+        state = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
+    except (DamagedEntry, OSError, ValueError) as e:
+        raise KtlongError(f"saved conversation '{name}' cannot be used: {e}",
+                          hint="save it again, or remove it with `ktlong inspect cache --remove`")
     session = Session(lm, settings, store=store, tokens=ids)
     session.extend_to(ids)
-    return session
+    return session, state
 
 
 def list_entries(settings: Settings, cache_dir: Path | None = None) -> list[dict[str, Any]]:
@@ -447,5 +466,6 @@ def remove_entries(settings: Settings, which: list[str],
                               hint="`ktlong inspect cache` lists them")
         for e in hits:
             e.path.unlink(missing_ok=True)
+            e.path.with_suffix(".json").unlink(missing_ok=True)
             gone.append(e.key)
     return sorted(set(gone))

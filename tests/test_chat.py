@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from ktlong.chatui import TerminalUI, printable, prompt_reader
 from ktlong.cli import app
 from ktlong.conversation import Conversation
 from ktlong.documents import Document
-from ktlong.engine import Session
+from ktlong.engine import Session, Stats
 from ktlong.model import load_model
 from ktlong.tinymodel import filler_text
 
@@ -143,7 +144,18 @@ def test_ctrl_c_in_the_renderer_keeps_the_partial_answer_and_the_chat(lm) -> Non
     assert b.ids == fresh_answer(lm, loop, b.prompt_ids)
 
 
-def test_ctrl_c_inside_a_forward_pass_leaves_a_consistent_store(lm, monkeypatch) -> None:
+def numba_interrupt() -> None:
+    """What Ctrl-C inside a running Numba kernel looks like to Python: a SystemError whose
+    context is the KeyboardInterrupt."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise SystemError("CPUDispatcher(<function _attend>) returned a result with an "  # noqa: B904
+                          "exception set")
+
+
+@pytest.mark.parametrize("how", ["python", "numba"])
+def test_ctrl_c_inside_a_forward_pass_leaves_a_consistent_store(lm, monkeypatch, how) -> None:
     loop = make_loop(lm)
     router = loop.session.router
     real, calls = router.attend, []
@@ -151,6 +163,8 @@ def test_ctrl_c_inside_a_forward_pass_leaves_a_consistent_store(lm, monkeypatch)
     def attend(layer, *args, **kw):  # type: ignore[no-untyped-def]
         calls.append(layer)
         if layer == 1 and len(calls) > 6:  # third decode token: layer 0 written, layer 1 not
+            if how == "numba":
+                numba_interrupt()
             raise KeyboardInterrupt
         return real(layer, *args, **kw)
 
@@ -228,6 +242,20 @@ def test_read_attaches_the_file_before_the_next_question(lm, tmp_path: Path) -> 
     assert loop.conv.attachments == []
 
 
+def test_an_unexpected_error_is_reported_and_the_chat_goes_on(lm, monkeypatch) -> None:
+    loop = make_loop(lm)
+
+    def broken(ids, progress=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("disk on fire\nmore")
+
+    real = loop.session.extend_to
+    monkeypatch.setattr(loop.session, "extend_to", broken)
+    assert loop.handle(QUESTIONS[0])
+    assert "error: RuntimeError: disk on fire (set KTLONG_DEBUG=1" in loop.ui.text()[1]
+    monkeypatch.setattr(loop.session, "extend_to", real)
+    assert loop.answer(QUESTIONS[0]).ids == fresh_answer(lm, loop, loop.last.prompt_ids)
+
+
 def test_repl_exit_codes(lm) -> None:
     loop = make_loop(lm)
 
@@ -273,6 +301,13 @@ def test_template_fallbacks(lm) -> None:
     plain.chat_template = None
     conv = Conversation(plain, "The doc.", system="Be brief.")
     assert conv.plain
+    ui = UI()
+    loop = ChatLoop(types.SimpleNamespace(tokenizer=plain, eos_ids=()), settings(), None, ui)
+    loop.conv.document = "The doc."
+    for _ in range(2):
+        ui.document(loop, types.SimpleNamespace(session=types.SimpleNamespace(stats=Stats()),
+                                                source="prefill", note="", verify_s=0.0))
+    assert ui.text()[1].count("no chat template: using a plain 'User: … / Assistant:'") == 1
     assert plain.decode(conv.prompt_ids("Q?")) == \
         "<|bos|>System: Be brief.\n\nUser: The doc.\n\nQ?\n\nAssistant:"
     no_system = copy.copy(lm.tokenizer)
@@ -362,3 +397,18 @@ def test_piped_questions_one_per_line(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["question"] for row in rows] == [QUESTIONS[0], QUESTIONS[1] + " \nsecond line"]
     assert "unknown command /frobnicate" in r.stderr
+
+
+def test_save_and_load_resume_a_conversation(lm) -> None:
+    loop = make_loop(lm)
+    loop.answer(QUESTIONS[0])
+    assert loop.handle("/save talk1")
+    follow = loop.answer(QUESTIONS[1])
+    other = make_loop(lm, doc="A different document about rivers and stones. " * 40)
+    assert other.handle("/load talk1")
+    assert len(other.conv.turns) == 1 and other.doc_len == loop.doc_len
+    resumed = other.answer(QUESTIONS[1])
+    assert resumed.prompt_ids == follow.prompt_ids and resumed.ids == follow.ids
+    assert resumed.prefilled_tokens < 20  # nothing re-read: the saved KV came back
+    assert other.handle("/load nosuch")  # one line, the chat goes on
+    assert "no saved conversation 'nosuch'" in other.ui.text()[1]

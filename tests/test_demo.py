@@ -1,4 +1,4 @@
-"""The built-in demo: task generator, shipped model (HF folder and GGUF), `chat --demo`, accuracy."""
+"""The built-in demo: task generator, shipped model (HF and GGUF), `chat --demo`, accuracy."""
 from __future__ import annotations
 
 import json

@@ -134,7 +134,7 @@ def test_concurrent_launches_from_two_threads():
         t.start()
     for t in threads:
         t.join()
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         np.testing.assert_array_equal(w[0], g[0])
 
 

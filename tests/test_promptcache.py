@@ -179,9 +179,10 @@ def test_save_and_load_a_conversation(lm, tmp_path):
     st = settings(anchor_type="MEAN")
     s = open_document(lm, st, _ids(lm, 800), cache_dir=tmp_path).session
     s.extend_to(s.tokens + _ids(lm, 30, seed=9))
-    save_conversation(s, "mychat", cache_dir=tmp_path)
+    save_conversation(s, "mychat", cache_dir=tmp_path, state={"turns": [1, 2]})
     expected = _answer(s)
-    back = load_conversation(lm, st, "mychat", cache_dir=tmp_path)
+    back, state = load_conversation(lm, st, "mychat", cache_dir=tmp_path)
+    assert state == {"turns": [1, 2]}
     assert back.tokens == s.tokens[: len(back.tokens)] and _answer(back) == expected
     with pytest.raises(KtlongError, match="no saved conversation"):
         load_conversation(lm, st, "nope", cache_dir=tmp_path)

@@ -83,76 +83,81 @@ def _select(kernels, q, anchors, n: int) -> np.ndarray:
                            np.arange(local0, nb, dtype=np.int32)])[None]
 
 
-def _measure(contexts: list[int], repeats: int) -> tuple[float, list[dict]]:
+def _bandwidth(arrays: list[np.ndarray]) -> float:
+    """Streaming read bandwidth in GB/s: best of three sweeps over uint64 `arrays`."""
+    def sweep() -> None:
+        for a in arrays:
+            _stream(a)
+    sweep()
+    return max(sum(a.nbytes for a in arrays) / _timed(sweep) for _ in range(3)) / 1e9
+
+
+def _row(n: int, k_all: np.ndarray, v_all: np.ndarray, anchors: np.ndarray, q: np.ndarray,
+         repeats: int, flush: Callable[[], object]) -> dict:
+    """Sparse and dense timings at context n over prefixes of the preallocated KV."""
     import torch
 
     from ktlong import kernels
 
+    nb = -(-n // BLOCK)
+    k = k_all[:HKV * nb * BLOCK * HEAD_DIM].reshape(HKV, nb, BLOCK, HEAD_DIM)  # [Hkv, nb, bs, d]
+    v = v_all[:HKV * nb * BLOCK * HEAD_DIM].reshape(HKV, nb, BLOCK, HEAD_DIM)
+    an = np.ascontiguousarray(anchors[:, :nb])  # [Hkv, nb, 1, d]
+    kt, vt = (torch.from_numpy(x.view(np.int16).reshape(HKV, -1, HEAD_DIM)).view(torch.bfloat16)
+              [:, :n] for x in (k, v))  # [Hkv, n, d]
+    qt = torch.from_numpy(q).to(torch.bfloat16)
+    empty = np.empty((HKV, 0, BLOCK, HEAD_DIM), np.uint16)
+    every = np.arange(nb, dtype=np.int32)[None]
+    scale = HEAD_DIM ** -0.5
+
+    def select() -> np.ndarray:
+        return _select(kernels, q, an, n)
+
+    def sparse() -> None:
+        kernels.attend_blocks(q, empty, empty, k, v, 0, select(), n, scale, 1)
+
+    def dense_kernel() -> None:
+        kernels.attend_blocks(q, empty, empty, k, v, 0, every, n, scale, 1)
+
+    def dense_matmul() -> None:  # grouped: [Hkv, g, d] @ [Hkv, d, n]
+        s = torch.bmm(qt.view(HKV, HQ // HKV, HEAD_DIM), kt.transpose(1, 2)).float() * scale
+        torch.bmm(torch.softmax(s, -1).to(torch.bfloat16), vt)
+
+    def dense_sdpa() -> None:
+        torch.nn.functional.scaled_dot_product_attention(
+            qt.view(1, HQ, 1, HEAD_DIM), kt[None], vt[None], enable_gqa=True)
+
+    blocks = select()
+    attended = int(np.minimum(BLOCK, n - blocks[0].astype(np.int64) * BLOCK).sum())
+    scored = nb - blocks.shape[1] if blocks.shape[1] < nb else 0
+    read = attended * HKV * HEAD_DIM * 2 * 2 + scored * HKV * HEAD_DIM * 4  # K + V bf16, anchors
+    sparse_ms = _best_ms(sparse, flush, repeats)
+    select_ms = _best_ms(select, flush, repeats)
+    paths = {"kernel": _best_ms(dense_kernel, flush, repeats),
+             "torch_matmul": _best_ms(dense_matmul, flush, repeats, TORCH_BUDGET_S),
+             "torch_sdpa": _best_ms(dense_sdpa, flush, repeats, TORCH_BUDGET_S)}
+    best = min(paths, key=paths.get)
+    return {"context": n, "sparse_ms": sparse_ms, "dense_ms": paths[best],
+            "speedup": paths[best] / sparse_ms, "kv_read_gbps": read / sparse_ms / 1e6,
+            "select_ms": select_ms, "attended_tokens": attended, "kv_read_bytes": read,
+            "dense_path": best, "dense_paths_ms": paths}
+
+
+def _measure(contexts: list[int], repeats: int) -> tuple[float, list[dict]]:
     rng = np.random.default_rng(0)
     nb_max = -(-max(contexts) // BLOCK)
-    per_kv = HKV * nb_max * BLOCK * HEAD_DIM  # uint16 elements of K (or V) at the longest context
-    k_all, v_all = np.empty(per_kv, np.uint16), np.empty(per_kv, np.uint16)
+    size = HKV * nb_max * BLOCK * HEAD_DIM  # uint16 elements of K (or V) at the longest context
+    k_all, v_all = np.empty(size, np.uint16), np.empty(size, np.uint16)
     _fill(k_all.view(np.uint32), 1)
     _fill(v_all.view(np.uint32), 2)
     anchors = rng.standard_normal((HKV, nb_max, 1, HEAD_DIM)).astype(np.float32)
-    bufs = [k_all.view(np.uint64), v_all.view(np.uint64)]
-    if k_all.nbytes + v_all.nbytes < BANDWIDTH_BYTES:
-        bufs = [np.ones(BANDWIDTH_BYTES // 8, np.uint64)]
-
-    def stream_all() -> None:
-        for b in bufs:
-            _stream(b)
-    stream_all()
-    bandwidth = max(sum(b.nbytes for b in bufs) / _timed(stream_all) for _ in range(3)) / 1e9
-    del bufs
-    junk = np.ones(FLUSH_BYTES // 8, np.uint64)
-
-    def flush() -> None:
-        _stream(junk)
-
     q = rng.standard_normal((HQ, HEAD_DIM)).astype(np.float32)
-    scale = HEAD_DIM ** -0.5
-    empty = np.empty((HKV, 0, BLOCK, HEAD_DIM), np.uint16)
-    qt = torch.from_numpy(q).to(torch.bfloat16)
-    rows = []
-    for n in contexts:
-        nb = -(-n // BLOCK)
-        k = k_all[:HKV * nb * BLOCK * HEAD_DIM].reshape(HKV, nb, BLOCK, HEAD_DIM)
-        v = v_all[:HKV * nb * BLOCK * HEAD_DIM].reshape(HKV, nb, BLOCK, HEAD_DIM)
-        an = np.ascontiguousarray(anchors[:, :nb])
-        kt = torch.from_numpy(k.view(np.int16).reshape(HKV, -1, HEAD_DIM)).view(torch.bfloat16)
-        vt = torch.from_numpy(v.view(np.int16).reshape(HKV, -1, HEAD_DIM)).view(torch.bfloat16)
-        kt, vt = kt[:, :n], vt[:, :n]  # [Hkv, n, d]
-        every = np.arange(nb, dtype=np.int32)[None]
-
-        def sparse() -> None:
-            blocks = _select(kernels, q, an, n)
-            kernels.attend_blocks(q, empty, empty, k, v, 0, blocks, n, scale, 1)
-
-        def dense_kernel() -> None:
-            kernels.attend_blocks(q, empty, empty, k, v, 0, every, n, scale, 1)
-
-        def dense_matmul() -> None:  # grouped: [Hkv, g, d] @ [Hkv, d, n]
-            s = torch.bmm(qt.view(HKV, HQ // HKV, HEAD_DIM), kt.transpose(1, 2)).float() * scale
-            torch.bmm(torch.softmax(s, -1).to(torch.bfloat16), vt)
-
-        def dense_sdpa() -> None:
-            torch.nn.functional.scaled_dot_product_attention(
-                qt.view(1, HQ, 1, HEAD_DIM), kt[None], vt[None], enable_gqa=True)
-
-        blocks = _select(kernels, q, an, n)
-        attended = int(min(blocks.shape[1] * BLOCK, n))
-        scored = nb - blocks.shape[1] if blocks.shape[1] < nb else 0
-        read = attended * HKV * HEAD_DIM * 2 * 2 + scored * HKV * HEAD_DIM * 4
-        sparse_ms = _best_ms(sparse, flush, repeats)
-        paths = {"kernel": _best_ms(dense_kernel, flush, repeats),
-                 "torch_matmul": _best_ms(dense_matmul, flush, repeats, TORCH_BUDGET_S),
-                 "torch_sdpa": _best_ms(dense_sdpa, flush, repeats, TORCH_BUDGET_S)}
-        best = min(paths, key=paths.get)
-        rows.append({"context": n, "sparse_ms": sparse_ms, "dense_ms": paths[best],
-                     "speedup": paths[best] / sparse_ms, "kv_read_gbps": read / sparse_ms / 1e6,
-                     "attended_tokens": attended, "kv_read_bytes": read, "dense_path": best,
-                     "dense_paths_ms": paths})
+    if k_all.nbytes + v_all.nbytes >= BANDWIDTH_BYTES:
+        bandwidth = _bandwidth([k_all.view(np.uint64), v_all.view(np.uint64)])
+    else:
+        bandwidth = _bandwidth([np.ones(BANDWIDTH_BYTES // 8, np.uint64)])
+    junk = np.ones(FLUSH_BYTES // 8, np.uint64)
+    rows = [_row(n, k_all, v_all, anchors, q, repeats, lambda: _stream(junk)) for n in contexts]
     return bandwidth, rows
 
 

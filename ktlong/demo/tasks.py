@@ -108,13 +108,15 @@ WORDS_PER_TOKEN = 0.82  # filler words per token with the demo tokenizer (re-mea
 
 
 def make_sample(seed: int, n_tokens: int, task: str | None = None, depth: float | None = None,
-                n_records: int | None = None, count: Callable[[str], int] | None = None) -> Sample:
+                n_records: int | None = None, count: Callable[[str], int] | None = None,
+                repeat_p: float = 0.0) -> Sample:
     """A document of about `n_tokens` tokens with hidden facts.
 
     task None: a random mix (training and the demo); "passkey" | "kv" | "needle": that task only,
     with the asked fact at `depth` (random if None). kv documents hold `n_records` records
     (default one per 2K tokens, at least 4), spread at random depths; needle documents hold 1-3
     needles with different cities. `count` (text -> tokens) refines the length when given.
+    `repeat_p`: chance that a filler sentence repeats an earlier one (training: copy signal).
     """
     rng = random.Random(seed)
     facts: list[Fact] = []
@@ -146,7 +148,7 @@ def make_sample(seed: int, n_tokens: int, task: str | None = None, depth: float 
             asked += [needles[0]] if task else [rng.choice(needles)]
     rng.shuffle(asked)
     facts.sort(key=lambda f: f.depth)
-    doc = _fill(rng, facts, n_tokens, count)
+    doc = _fill(rng, facts, n_tokens, count, repeat_p)
     return Sample(doc, facts, asked)
 
 
@@ -203,13 +205,14 @@ def make_mixed(seed: int, n_tokens: int, depths: dict[str, float],
 
 
 def _fill(rng: random.Random, facts: list[Fact], n_tokens: int,
-          count: Callable[[str], int] | None) -> str:
+          count: Callable[[str], int] | None, repeat_p: float = 0.0) -> str:
     fact_tokens = sum(len(f.sentence.split()) for f in facts) / WORDS_PER_TOKEN
     n_words = max(0, n_tokens - fact_tokens) * WORDS_PER_TOKEN
     sentences: list[str] = []
     words = 0
     while words < n_words:
-        s = filler_sentence(rng)
+        again = repeat_p and sentences and rng.random() < repeat_p
+        s = rng.choice(sentences) if again else filler_sentence(rng)
         sentences.append(s)
         words += s.count(" ") + 1
     doc = _assemble(sentences, facts)

@@ -36,6 +36,10 @@ CHAT_TEMPLATE = (
 CONFIG = dict(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384,
               rope_theta=1e6, max_positions=1 << 20)
 LENGTHS = (128, 256, 512, 768, 1024)  # document tokens; batches share one length
+SHORT = (64, 96, 128, 192, 256)  # the first SHORT_SHARE of the steps: many short documents
+SHORT_SHARE = 0.35
+REPEAT_P = 0.15  # filler sentences that repeat an earlier one: dense copy signal for the LM loss
+LM_WEIGHT = 0.2  # next-token loss on every other token, beside the answers' (weight 1)
 BATCH_TOKENS = 2560
 
 
@@ -139,13 +143,13 @@ def position_ids(rng: random.Random, tok: Any, sample: tasks.Sample, n: int, doc
 
 
 def make_batch(tok: Any, seed: int, step: int, length: int | None = None,
-               jump_p: float = 0.7) -> tuple[torch.Tensor, ...]:
+               jump_p: float = 0.7, short: bool = False) -> tuple[torch.Tensor, ...]:
     rng = random.Random(seed * 1_000_003 + step)
-    length = length or rng.choice(LENGTHS)
+    length = length or rng.choice(SHORT if short else LENGTHS)
     per = max(1, BATCH_TOKENS // (length + 40))
     rows = []
     for _ in range(per):
-        s = tasks.make_sample(rng.randrange(2**31), length)
+        s = tasks.make_sample(rng.randrange(2**31), length, repeat_p=REPEAT_P)
         ids, mask, doc_len = encode(tok, s)
         rows.append((ids, mask, position_ids(rng, tok, s, len(ids), doc_len, jump_p)))
     n = max(len(r[0]) for r in rows)
@@ -157,11 +161,18 @@ def make_batch(tok: Any, seed: int, step: int, length: int | None = None,
     return ids, mask, pos  # right padding: causal attention never sees it
 
 
-def loss_fn(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def loss_fn(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
+            pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Answer tokens weigh 1, every other real token LM_WEIGHT (induction heads form sooner)."""
     h = model.model(input_ids=ids, position_ids=pos).last_hidden_state  # [B, n, hidden]
-    sel = mask[:, 1:].bool()  # predict token t+1 from t where t+1 is an answer token
-    logits = model.lm_head(h[:, :-1][sel])  # [m, vocab]
-    return torch.nn.functional.cross_entropy(logits.float(), ids[:, 1:][sel])
+    logits = model.lm_head(h[:, :-1])  # [B, n-1, vocab]
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(),
+                                            reduction="none").view(ids.shape[0], -1)
+    ans = mask[:, 1:].float()
+    rest = (ids[:, 1:] != pad).float() * (1 - ans)
+    ans_loss = (nll * ans).sum() / ans.sum()
+    lm_loss = (nll * rest).sum() / rest.sum().clamp(min=1)
+    return ans_loss, lm_loss
 
 
 @torch.no_grad()
@@ -206,25 +217,27 @@ def export(model: Any, tok: Any, out: Path, gguf: bool = True) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--steps", type=int, default=1400)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("demo-train"))
     ap.add_argument("--out", type=Path, default=MODEL_DIR)
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--stop-after", type=int, default=0,
+                    help="stop (and export) after this many steps; the schedule keeps --steps")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     a.work.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
     model = make_model(tok, a.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.05)
-    warm = min(60, a.steps // 10)
+    warm = min(50, a.steps // 10)
 
     def lr_at(step: int) -> float:
         if step < warm:
             return a.lr * (step + 1) / warm
-        t = (step - warm) / (a.steps - warm)
+        t = max(0.0, (step - 0.7 * a.steps) / (0.3 * a.steps))  # stable, then decay
         return a.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
 
     start, spent = 0, 0.0
@@ -239,21 +252,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"params {n_params / 1e6:.2f}M vocab {len(tok)} steps {a.steps}", flush=True)
     model.train()
     t0, ema = time.time() - spent, None
-    for step in range(start, a.steps):
+    end = min(a.steps, a.stop_after or a.steps)
+    for step in range(start, end):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        ids, mask, pos = make_batch(tok, a.seed, step)
-        loss = loss_fn(model, ids, mask, pos)
+        ids, mask, pos = make_batch(tok, a.seed, step, short=step < SHORT_SHARE * a.steps)
+        loss, lm_loss = loss_fn(model, ids, mask, pos, tok.pad_token_id)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + LM_WEIGHT * lm_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         lv = float(loss.detach())
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         if step % 20 == 0:
             print(f"step {step} len {ids.shape[1]} loss {lv:.3f} ema {ema:.3f} "
+                  f"lm {float(lm_loss.detach()):.2f} "
                   f"lr {lr_at(step):.2e} t {time.time() - t0:.0f}s", flush=True)
-        if (step + 1) % a.save_every == 0 or step + 1 == a.steps:
+        if (step + 1) % a.save_every == 0 or step + 1 == end:
             acc = quick_eval(model, tok)
             print(f"eval step {step + 1} answer-token acc {acc:.3f}", flush=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,

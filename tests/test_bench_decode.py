@@ -1,0 +1,26 @@
+"""`ktlong bench decode` at tiny contexts: the JSON it prints has the documented shape."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ktlong.bench import decode
+
+
+def test_bench_decode_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    monkeypatch.setattr(decode, "BANDWIDTH_BYTES", 8 << 20)
+    monkeypatch.setattr(decode, "FLUSH_BYTES", 1 << 20)
+    decode.main(contexts=[20000, 1000], repeats=1, threads=1, as_json=True)
+    data = json.loads(capsys.readouterr().out)
+    assert data["bandwidth_gbps"] > 0
+    rows = data["rows"]
+    assert [r["context"] for r in rows] == [1000, 20000]
+    for r in rows:
+        for key in ("sparse_ms", "dense_ms", "kv_read_gbps"):
+            assert isinstance(r[key], float) and r[key] > 0
+        assert r["dense_path"] in r["dense_paths_ms"]
+    # 1000 tokens fit the budget (every block); at 20000: the init block, 96 chosen blocks and the
+    # local window's blocks, from block (20000 - 4096) // 128 = 124 on (4128 tokens)
+    assert rows[0]["attended_tokens"] == 1000
+    assert rows[1]["attended_tokens"] == 128 + 96 * 128 + (20000 - 124 * 128)
