@@ -7,6 +7,7 @@ KVStore and computes attention from the store:
   `[L, context]` matrix ever exists; on CUDA the current layer's KV is mirrored on the device;
 - sparse: per token, the selection policy picks blocks and a Numba kernel attends to them.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -24,16 +25,24 @@ PAST_SEGMENT_ELEMS = 1 << 26  # max floats of past K per fused-kernel call (256 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of attention over two disjoint key sets: out [..., n, d], lse [..., n]."""
     lse = torch.logaddexp(l1, l2)
     return o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None], lse
 
 
-def ktlong_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+def ktlong_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     router: AttentionRouter | None = kwargs.get("ktlong")
     if router is None:
         raise RuntimeError("ktlong attention runs only inside a ktlong Session")
@@ -51,8 +60,13 @@ def register_attention() -> None:
 class AttentionRouter:
     """Per-session state the attention function needs: store, policy, mode, captured queries."""
 
-    def __init__(self, store: KVStore, policy: Any, device: torch.device,
-                 local_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        policy: Any,
+        device: torch.device,
+        local_device: torch.device | None = None,
+    ) -> None:
         self.store, self.policy, self.device = store, policy, device
         # decode: the local window attends on this device (the GPU) while the CPU kernel reads
         # the init + selected blocks; the two partial results merge by log-sum-exp
@@ -69,14 +83,17 @@ class AttentionRouter:
         self.sparse, self.capture, self.captured = sparse, capture, {}
         self._dev_layer, self._dev_kv, self._total = -1, None, total
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q `[Hq, L, d]`, k, v `[Hkv, L, d]` -> attention output `[Hq, L, d]` float32."""
         start = self.store.write(layer, k, v)
         if self.capture:
             prev = self.captured.get(layer)
             qc = q.detach().float().cpu()
-            self.captured[layer] = (qc if prev is None else torch.cat([prev, qc], 1))[:, -self.capture:]
+            self.captured[layer] = (qc if prev is None else torch.cat([prev, qc], 1))[
+                :, -self.capture :
+            ]
         if self.sparse:
             if self.local is not None:
                 return self._sparse_split(layer, q, k, v, start, scale)
@@ -108,7 +125,7 @@ class AttentionRouter:
             self._dev_layer, self._dev_kv = layer, (dk, dv)
         dk, dv = self._dev_kv
         n = k.shape[1]
-        dk[:, start:start + n], dv[:, start:start + n] = k.to(tdtype), v.to(tdtype)
+        dk[:, start : start + n], dv[:, start : start + n] = k.to(tdtype), v.to(tdtype)
 
     def _dense(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         if q.device.type == "cpu" and _FLASH_CPU is not None:
@@ -130,8 +147,14 @@ class AttentionRouter:
             o, lo = _FLASH_CPU(qf, k[None], v[None], 0.0, False, scale=scale)[:2]
             out, lse = (o, lo) if out is None else _merge(out, lse, o, lo)
         k, v = self.store.token_range(layer, start, start + L)  # this chunk: causal square
-        oc, lc = _FLASH_CPU(q[None], k.repeat_interleave(g, 0)[None],
-                            v.repeat_interleave(g, 0)[None], 0.0, True, scale=scale)[:2]
+        oc, lc = _FLASH_CPU(
+            q[None],
+            k.repeat_interleave(g, 0)[None],
+            v.repeat_interleave(g, 0)[None],
+            0.0,
+            True,
+            scale=scale,
+        )[:2]
         oc, lc = oc.reshape(1, Hkv, g * L, d), lc.reshape(1, Hkv, g * L)
         out, lse = (oc, lc) if out is None else _merge(out, lse, oc, lc)
         return out.reshape(Hq, L, d)
@@ -175,13 +198,30 @@ class AttentionRouter:
             n_tokens = start + i + 1
             qi = np.ascontiguousarray(qn[:, i])  # [Hq, d]
             blocks = self.policy.select(layer, qi, n_tokens)  # [S, n] int32
-            o, _ = kernels.attend_blocks(qi, k_base, v_base, k_tail, v_tail, nb_base, blocks,
-                                         n_tokens, np.float32(scale), self.store.kv_kind)
+            o, _ = kernels.attend_blocks(
+                qi,
+                k_base,
+                v_base,
+                k_tail,
+                v_tail,
+                nb_base,
+                blocks,
+                n_tokens,
+                np.float32(scale),
+                self.store.kv_kind,
+            )
             out[:, i] = o
         return torch.from_numpy(out).to(q.device)
 
-    def _sparse_split(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      start: int, scale: float) -> torch.Tensor:
+    def _sparse_split(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
         """Like `_sparse`, with the local window on `self.local.device`, overlapped with the CPU."""
         from ktlong import kernels
 
@@ -199,17 +239,29 @@ class AttentionRouter:
             cpu_blocks = np.ascontiguousarray(blocks[:, :cut])
             job = None
             if cut > 0:
-                job = _POOL.submit(kernels.attend_blocks, qi, k_base, v_base, k_tail, v_tail,
-                                   nb_base, cpu_blocks, n_tokens, np.float32(scale),
-                                   self.store.kv_kind)
-            o_dev, lse_dev = self.local.attend(layer, q[:, i], local0 * bs, n_tokens, scale,
-                                               k[:, : i + 1], v[:, : i + 1], start)
+                job = _POOL.submit(
+                    kernels.attend_blocks,
+                    qi,
+                    k_base,
+                    v_base,
+                    k_tail,
+                    v_tail,
+                    nb_base,
+                    cpu_blocks,
+                    n_tokens,
+                    np.float32(scale),
+                    self.store.kv_kind,
+                )
+            o_dev, lse_dev = self.local.attend(
+                layer, q[:, i], local0 * bs, n_tokens, scale, k[:, : i + 1], v[:, : i + 1], start
+            )
             if job is None:
                 out[:, i] = o_dev.to(out.device)
                 continue
             o_cpu, lse_cpu = job.result()
-            o, _ = kernels.merge_partials(o_cpu, lse_cpu, o_dev.cpu().numpy(),
-                                          lse_dev.cpu().numpy())
+            o, _ = kernels.merge_partials(
+                o_cpu, lse_cpu, o_dev.cpu().numpy(), lse_dev.cpu().numpy()
+            )
             out[:, i] = torch.from_numpy(o).to(out.device)
         return out
 
@@ -235,8 +287,15 @@ class LocalWindow:
         kb[:, :T], vb[:, :T] = k.to(self.device), v.to(self.device)
         self.buf[layer] = [kb, vb, t0, T]
 
-    def _advance(self, layer: int, t0: int, n_tokens: int, k_new: torch.Tensor,
-                 v_new: torch.Tensor, new_start: int) -> bool:
+    def _advance(
+        self,
+        layer: int,
+        t0: int,
+        n_tokens: int,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        new_start: int,
+    ) -> bool:
         """Bring the buffer up to `n_tokens` from this forward's tokens; False if it cannot."""
         entry = self.buf.get(layer)
         if entry is None:
@@ -252,14 +311,22 @@ class LocalWindow:
             first, n = t0, n - drop
             if n + add > kb.shape[1]:
                 return False
-        kb[:, n:n + add] = k_new[:, j:j + add].to(self.device, self.tdtype)
-        vb[:, n:n + add] = v_new[:, j:j + add].to(self.device, self.tdtype)
+        kb[:, n : n + add] = k_new[:, j : j + add].to(self.device, self.tdtype)
+        vb[:, n : n + add] = v_new[:, j : j + add].to(self.device, self.tdtype)
         entry[2:] = [first, n + add]
         return True
 
-    def attend(self, layer: int, q: torch.Tensor, t0: int, n_tokens: int, scale: float,
-               k_new: torch.Tensor, v_new: torch.Tensor, new_start: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        t0: int,
+        n_tokens: int,
+        scale: float,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        new_start: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q `[Hq, d]` over tokens [t0, n_tokens) -> (out `[Hq, d]`, lse `[Hq]`) on the device.
 
         `k_new, v_new` `[Hkv, m, d]` are this forward's tokens from `new_start` (already stored).
@@ -267,7 +334,7 @@ class LocalWindow:
         if not self._advance(layer, t0, n_tokens, k_new, v_new, new_start):
             self._rebuild(layer, t0, n_tokens)
         kb, vb, first, n = self.buf[layer]
-        kw, vw = kb[:, t0 - first:n].float(), vb[:, t0 - first:n].float()  # [Hkv, T, d]
+        kw, vw = kb[:, t0 - first : n].float(), vb[:, t0 - first : n].float()  # [Hkv, T, d]
         Hkv, Hq = kw.shape[0], q.shape[0]
         qg = (q.float().to(self.device) * scale).reshape(Hkv, Hq // Hkv, -1)  # [Hkv, g, d]
         s = torch.bmm(qg, kw.transpose(1, 2))  # [Hkv, g, T]

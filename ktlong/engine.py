@@ -3,6 +3,7 @@
 The engine prints nothing: `prefill` reports progress through a callback and `generate` yields a
 `Step` per token with running stats (mlx-lm's stream_generate shape).
 """
+
 from __future__ import annotations
 
 import os
@@ -74,12 +75,23 @@ def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> i
 class Session:
     """One conversation: the model, its KV store, the selection policy and the tokens so far."""
 
-    def __init__(self, lm: LoadedModel, settings: Settings, store: KVStore | None = None,
-                 tokens: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        settings: Settings,
+        store: KVStore | None = None,
+        tokens: list[int] | None = None,
+    ) -> None:
         self.lm, self.settings = lm, settings
         spec = lm.spec
-        shape = StoreShape(spec.n_layers, spec.n_kv_heads, spec.head_dim, settings.block_size,
-                           settings.kv_type, settings.anchor_num)
+        shape = StoreShape(
+            spec.n_layers,
+            spec.n_kv_heads,
+            spec.head_dim,
+            settings.block_size,
+            settings.kv_type,
+            settings.anchor_num,
+        )
         self.store = store or KVStore(shape, settings.max_seq_len)
         self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
         self.policy = SelectionPolicy(settings, spec, self.store)
@@ -102,11 +114,13 @@ class Session:
             raise KtlongError(
                 f"the prompt needs {need:,} tokens but max_seq_len is {self.store.capacity:,}; "
                 f"{need:,} tokens need {need * per_tok / 1e9:.1f} GB of KV cache",
-                hint="run `ktlong memcheck` to see what fits, then raise max_seq_len")
+                hint="run `ktlong memcheck` to see what fits, then raise max_seq_len",
+            )
 
     # --- forward -----------------------------------------------------------------------------
-    def _forward(self, ids: list[int], progress: Progress | None, sparse: bool,
-                 all_logits: bool = False) -> torch.Tensor:
+    def _forward(
+        self, ids: list[int], progress: Progress | None, sparse: bool, all_logits: bool = False
+    ) -> torch.Tensor:
         """Layer-major, chunked forward of `ids` appended after the store's tokens."""
         lm, st = self.lm, self.settings
         body = lm.model.model
@@ -125,8 +139,12 @@ class Session:
                 for c0, c1 in bounds:
                     h = hidden[c0:c1].to(dev).unsqueeze(0)  # [1, C, hidden]
                     pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
-                    h = layer(h, position_embeddings=body.rotary_emb(h, pos), position_ids=pos,
-                              ktlong=self.router)
+                    h = layer(
+                        h,
+                        position_embeddings=body.rotary_emb(h, pos),
+                        position_ids=pos,
+                        ktlong=self.router,
+                    )
                     hidden[c0:c1] = h[0].to(hidden.device)
                     if progress is not None:
                         progress((li * n + c1) // n_layers, n)
@@ -137,8 +155,9 @@ class Session:
             self.policy.on_prefill_end(self.router.captured, len(self.tokens))
         return logits
 
-    def prefill(self, ids: list[int], progress: Progress | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+    def prefill(
+        self, ids: list[int], progress: Progress | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
         """Append `ids` to the conversation (the document, or a new turn); returns logits.
 
         The first prefill (and any prefill under dense attention) is exact and chunked. A later
@@ -154,15 +173,19 @@ class Session:
         logits = self._forward(ids, progress, sparse=sparse, all_logits=all_logits)
         dt = time.perf_counter() - t0
         self.logits = logits[-1]
-        self.stats = Stats(prompt_tokens=len(ids), prefill_s=dt,
-                           prefill_tok_s=len(ids) / dt if dt > 0 else 0.0,
-                           context_tokens=len(self.tokens), kv_bytes=self.store.nbytes_used())
+        self.stats = Stats(
+            prompt_tokens=len(ids),
+            prefill_s=dt,
+            prefill_tok_s=len(ids) / dt if dt > 0 else 0.0,
+            context_tokens=len(self.tokens),
+            kv_bytes=self.store.nbytes_used(),
+        )
         return logits
 
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` the store already holds."""
         n = 0
-        for a, b in zip(self.tokens, ids):
+        for a, b in zip(self.tokens, ids, strict=False):
             if a != b:
                 break
             n += 1
@@ -204,7 +227,7 @@ class Session:
             token = sample(self.logits, sampling, gen)
             out_ids.append(token)
             full = tok.decode(out_ids, skip_special_tokens=True)
-            delta = "" if full.endswith("\ufffd") else full[len(text):]
+            delta = "" if full.endswith("\ufffd") else full[len(text) :]
             text = text if full.endswith("\ufffd") else full
             done = token in self.lm.eos_ids or i + 1 == sampling.max_new_tokens
             if not done:

@@ -7,6 +7,7 @@ contiguous run the kernels read in one sweep. Two segments (docs/internals.md):
 Half-precision KV is kept as uint16 bit patterns (Numba cannot read float16/bfloat16 arrays).
 No policy lives here: which blocks to read is `selection`'s business.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,9 +60,14 @@ class KVStore:
     np.zeros, so pages are only touched as tokens are written.
     """
 
-    def __init__(self, shape: StoreShape, capacity: int,
-                 base: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
-                 base_anchors: list[np.ndarray] | None = None, nb_base: int | None = None) -> None:
+    def __init__(
+        self,
+        shape: StoreShape,
+        capacity: int,
+        base: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
+        base_anchors: list[np.ndarray] | None = None,
+        nb_base: int | None = None,
+    ) -> None:
         if shape.kv_type not in KV_TYPES:
             raise KtlongError(f"kv_type {shape.kv_type} is not one of {', '.join(KV_TYPES)}")
         self.shape = shape
@@ -77,13 +83,17 @@ class KVStore:
         # copied to the tail instead, so the newest token stays writable)
         self.nb_base = self.k_base[0].shape[1] if nb_base is None else nb_base
         if self.nb_base * bs > capacity:
-            raise KtlongError(f"the cached context ({self.nb_base * bs} tokens) is longer than "
-                              f"max_seq_len ({capacity})", hint="raise max_seq_len (ktlong memcheck)")
+            raise KtlongError(
+                f"the cached context ({self.nb_base * bs} tokens) is longer than "
+                f"max_seq_len ({capacity})",
+                hint="raise max_seq_len (ktlong memcheck)",
+            )
         nb_tail = self.nb_cap - self.nb_base
         self.k_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
         self.v_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
-        self.anchors = [np.zeros((H, self.nb_cap, shape.anchor_num, d), np.float32)
-                        for _ in range(L)]
+        self.anchors = [
+            np.zeros((H, self.nb_cap, shape.anchor_num, d), np.float32) for _ in range(L)
+        ]
         self.n_anchored = [0] * L  # blocks [0, n_anchored) have anchors
         if base_anchors is not None:
             for layer, a in enumerate(base_anchors):
@@ -111,12 +121,14 @@ class KVStore:
         """Append k, v `[Hkv, n, d]` to `layer`; returns the position of the first new token."""
         start, n = self.lengths[layer], k.shape[1]
         if start + n > self.capacity:
-            raise KtlongError(f"the conversation needs {start + n} tokens but max_seq_len is "
-                              f"{self.capacity}", hint="raise max_seq_len (ktlong memcheck) or /reset")
+            raise KtlongError(
+                f"the conversation needs {start + n} tokens but max_seq_len is {self.capacity}",
+                hint="raise max_seq_len (ktlong memcheck) or /reset",
+            )
         off = start - self.nb_base * self.shape.block_size
         H, d = self.shape.n_kv_heads, self.shape.head_dim
-        self.k_tail[layer].reshape(H, -1, d)[:, off:off + n] = to_storage(k, self.shape.kv_type)
-        self.v_tail[layer].reshape(H, -1, d)[:, off:off + n] = to_storage(v, self.shape.kv_type)
+        self.k_tail[layer].reshape(H, -1, d)[:, off : off + n] = to_storage(k, self.shape.kv_type)
+        self.v_tail[layer].reshape(H, -1, d)[:, off : off + n] = to_storage(v, self.shape.kv_type)
         self.lengths[layer] = start + n
         return start
 
@@ -142,8 +154,8 @@ class KVStore:
             parts_v.append(self.v_base[layer].reshape(H, -1, d)[:, start:e])
         if end > split:
             s = max(start, split) - split
-            parts_k.append(self.k_tail[layer].reshape(H, -1, d)[:, s:end - split])
-            parts_v.append(self.v_tail[layer].reshape(H, -1, d)[:, s:end - split])
+            parts_k.append(self.k_tail[layer].reshape(H, -1, d)[:, s : end - split])
+            parts_v.append(self.v_tail[layer].reshape(H, -1, d)[:, s : end - split])
         kt = [from_storage(p, self.shape.kv_type) for p in parts_k]
         vt = [from_storage(p, self.shape.kv_type) for p in parts_v]
         if len(kt) == 1:
@@ -152,4 +164,10 @@ class KVStore:
 
     def kernel_args(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """(k_base, v_base, k_tail, v_tail, nb_base) for `ktlong.kernels`."""
-        return self.k_base[layer], self.v_base[layer], self.k_tail[layer], self.v_tail[layer], self.nb_base
+        return (
+            self.k_base[layer],
+            self.v_base[layer],
+            self.k_tail[layer],
+            self.v_tail[layer],
+            self.nb_base,
+        )

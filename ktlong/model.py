@@ -4,6 +4,7 @@ Two formats: a Hugging Face folder (config.json + *.safetensors) and a GGUF file
 transformers through the `gguf` package). Both go through the same transformers model classes, so
 prefill and decode never need per-architecture code.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -56,8 +57,10 @@ def read_spec(path: str | os.PathLike[str]) -> ModelSpec:
     """Read a model's shape from an HF folder or a GGUF file without reading tensor data."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise KtlongError(f"model path {p} does not exist",
-                          hint="pass --model with a Hugging Face folder or a .gguf file")
+        raise KtlongError(
+            f"model path {p} does not exist",
+            hint="pass --model with a Hugging Face folder or a .gguf file",
+        )
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))
         if not (p / "config.json").exists() and len(ggufs) == 1:
@@ -65,14 +68,18 @@ def read_spec(path: str | os.PathLike[str]) -> ModelSpec:
         return _read_hf_spec(p)
     if p.suffix.lower() == ".gguf":
         return _read_gguf_spec(p)
-    raise KtlongError(f"{p} is not a model: expected a folder with config.json or a .gguf file",
-                      hint="pass --model with a Hugging Face folder or a .gguf file")
+    raise KtlongError(
+        f"{p} is not a model: expected a folder with config.json or a .gguf file",
+        hint="pass --model with a Hugging Face folder or a .gguf file",
+    )
 
 
 def _check_arch(arch: str, where: Path) -> None:
     if arch not in SUPPORTED_ARCHS:
-        raise KtlongError(f"{where}: architecture '{arch}' is not supported",
-                          hint=f"supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise KtlongError(
+            f"{where}: architecture '{arch}' is not supported",
+            hint=f"supported: {', '.join(SUPPORTED_ARCHS)}",
+        )
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
@@ -89,7 +96,7 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
             raise KtlongError(f"{path} has a damaged safetensors header: {e}") from None
 
 
-def _file_fingerprint(h: "hashlib._Hash", path: Path, header_len: int = 0) -> None:
+def _file_fingerprint(h: hashlib._Hash, path: Path, header_len: int = 0) -> None:
     """Hash the size, the header and evenly spaced samples: cheap even for a 15 GB file."""
     size = path.stat().st_size
     h.update(path.name.encode() + str(size).encode())
@@ -102,8 +109,15 @@ def _file_fingerprint(h: "hashlib._Hash", path: Path, header_len: int = 0) -> No
 
 def _tokenizer_fingerprint(folder: Path) -> str:
     h = hashlib.sha256()
-    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                 "merges.txt", "special_tokens_map.json", "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    ):
         f = folder / name
         if f.exists():
             h.update(name.encode() + f.read_bytes())
@@ -113,8 +127,10 @@ def _tokenizer_fingerprint(folder: Path) -> str:
 def _read_hf_spec(folder: Path) -> ModelSpec:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
-        raise KtlongError(f"{folder} is not a model folder: no config.json",
-                          hint="point --model at a Hugging Face model folder or a .gguf file")
+        raise KtlongError(
+            f"{folder} is not a model folder: no config.json",
+            hint="point --model at a Hugging Face model folder or a .gguf file",
+        )
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
@@ -154,7 +170,8 @@ def _read_hf_spec(folder: Path) -> ModelSpec:
 
     tok_cfg = folder / "tokenizer_config.json"
     has_template = (folder / "chat_template.jinja").exists() or (
-        tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text() or "{}"))
+        tok_cfg.exists() and "chat_template" in json.loads(tok_cfg.read_text() or "{}")
+    )
     rope_scaling = text_cfg.get("rope_scaling")
     rope_theta = text_cfg.get("rope_theta")
     if rope_theta is None:  # transformers 5 keeps it in rope_parameters
@@ -163,16 +180,26 @@ def _read_hf_spec(folder: Path) -> ModelSpec:
         if rp.get("rope_type", "default") != "default":
             rope_scaling = rp
     return ModelSpec(
-        path=str(folder), format="hf", arch=arch,
-        n_layers=int(text_cfg["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(text_cfg.get("num_key_value_heads") or n_heads), head_dim=head_dim,
-        hidden_size=hidden, intermediate_size=int(text_cfg.get("intermediate_size", 0)),
+        path=str(folder),
+        format="hf",
+        arch=arch,
+        n_layers=int(text_cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(text_cfg.get("num_key_value_heads") or n_heads),
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=int(text_cfg.get("intermediate_size", 0)),
         vocab_size=int(text_cfg["vocab_size"]),
         max_positions=int(text_cfg.get("max_position_embeddings", 0)),
-        rope_theta=float(rope_theta), rope_scaling=rope_scaling,
-        weights_bytes=n_bytes, n_params=n_params, weight_types=types,
-        has_chat_template=has_template, fingerprint=h.hexdigest()[:16],
-        tokenizer_fingerprint=_tokenizer_fingerprint(folder))
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        weights_bytes=n_bytes,
+        n_params=n_params,
+        weight_types=types,
+        has_chat_template=has_template,
+        fingerprint=h.hexdigest()[:16],
+        tokenizer_fingerprint=_tokenizer_fingerprint(folder),
+    )
 
 
 def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
@@ -212,30 +239,49 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
         rope_scaling = {"type": key("rope.scaling.type"), "factor": key("rope.scaling.factor")}
 
     h = hashlib.sha256()
-    _file_fingerprint(h, path, header_len=int(reader.tensors[0].data_offset) if reader.tensors else 0)
+    _file_fingerprint(
+        h, path, header_len=int(reader.tensors[0].data_offset) if reader.tensors else 0
+    )
     th = hashlib.sha256()
-    for k in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-              "tokenizer.chat_template"):
+    for k in (
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.chat_template",
+    ):
         f = reader.get_field(k)
         if f is not None:
             th.update(k.encode() + b"".join(bytes(p) for p in f.parts))
     return ModelSpec(
-        path=str(path), format="gguf", arch=arch, n_layers=int(key("block_count")),
-        n_heads=n_heads, n_kv_heads=int(key("attention.head_count_kv", n_heads)),
-        head_dim=head_dim, hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length", 0)), vocab_size=vocab,
+        path=str(path),
+        format="gguf",
+        arch=arch,
+        n_layers=int(key("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length", 0)),
+        vocab_size=vocab,
         max_positions=int(key("context_length", 0)),
-        rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
-        weights_bytes=n_bytes, n_params=n_params, weight_types=types,
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        weights_bytes=n_bytes,
+        n_params=n_params,
+        weight_types=types,
         has_chat_template=reader.get_field("tokenizer.chat_template") is not None,
-        fingerprint=h.hexdigest()[:16], tokenizer_fingerprint=th.hexdigest()[:16])
+        fingerprint=h.hexdigest()[:16],
+        tokenizer_fingerprint=th.hexdigest()[:16],
+    )
 
 
 @dataclass
 class LoadedModel:
     """A transformers model ready for ktlong's layer-major prefill and sparse decode."""
 
-    model: Any  # a *ForCausalLM with `.model.layers`, `.model.norm`, `.model.rotary_emb`, `.lm_head`
+    model: (
+        Any  # a *ForCausalLM with `.model.layers`, `.model.norm`, `.model.rotary_emb`, `.lm_head`
+    )
     tokenizer: Any
     spec: ModelSpec
     device: Any  # torch.device the weights live on
@@ -247,15 +293,21 @@ def pick_device(name: str = "AUTO") -> Any:
 
     name = name.upper()
     if name == "CUDA" and not torch.cuda.is_available():
-        raise KtlongError("device CUDA was asked for but no CUDA GPU is visible",
-                          hint="set device: AUTO or CPU, or install a CUDA build of torch")
+        raise KtlongError(
+            "device CUDA was asked for but no CUDA GPU is visible",
+            hint="set device: AUTO or CPU, or install a CUDA build of torch",
+        )
     if name == "CUDA" or (name == "AUTO" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
 
 
-def load_model(path: str | os.PathLike[str], device: str = "AUTO", dtype: str | None = None,
-               allow_pickle: bool = False) -> LoadedModel:
+def load_model(
+    path: str | os.PathLike[str],
+    device: str = "AUTO",
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+) -> LoadedModel:
     """Load weights + tokenizer + chat template from an HF folder or a GGUF file.
 
     `dtype` (float32|bfloat16|float16) defaults to the checkpoint's own dtype for HF folders and
@@ -269,8 +321,10 @@ def load_model(path: str | os.PathLike[str], device: str = "AUTO", dtype: str | 
 
     spec = read_spec(path)
     if "pickle" in spec.weight_types and not allow_pickle:
-        raise KtlongError(f"{spec.path} holds pickle weights (*.bin), which can run code on load",
-                          hint="convert them to safetensors, or pass --allow-pickle if you trust them")
+        raise KtlongError(
+            f"{spec.path} holds pickle weights (*.bin), which can run code on load",
+            hint="convert them to safetensors, or pass --allow-pickle if you trust them",
+        )
     register_attention()
     dev = pick_device(device)
     kw: dict[str, Any] = dict(local_files_only=True, trust_remote_code=False)
@@ -283,13 +337,16 @@ def load_model(path: str | os.PathLike[str], device: str = "AUTO", dtype: str | 
     else:
         folder = spec.path
         config = AutoConfig.from_pretrained(folder, **kw)
-        torch_dtype = getattr(torch, dtype) if dtype else getattr(config, "dtype", None) or torch.float32
+        torch_dtype = (
+            getattr(torch, dtype) if dtype else getattr(config, "dtype", None) or torch.float32
+        )
         kw["use_safetensors"] = not allow_pickle
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         config.sliding_window = None  # ktlong attends the whole context; the store has no window
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION, **kw)
+            folder, config=config, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION, **kw
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     except (OSError, ValueError) as e:
         raise KtlongError(f"could not load {spec.path}: {str(e).splitlines()[0]}") from None

@@ -3,6 +3,7 @@
 The document is rendered exactly as `ktlong chat` renders it (same template head, same ids), so
 the entry written here is the one a later chat on the same model and document maps in.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,9 +13,16 @@ from ktlong.config import Settings
 from ktlong.errors import KtlongError
 
 
-def run(model: Path | None, prompt_file: str, settings: Settings, *, system: str | None = None,
-        encoding: str | None = None, cache_dir: Path | None = None,
-        as_json: bool = False) -> dict[str, Any]:
+def run(
+    model: Path | None,
+    prompt_file: str,
+    settings: Settings,
+    *,
+    system: str | None = None,
+    encoding: str | None = None,
+    cache_dir: Path | None = None,
+    as_json: bool = False,
+) -> dict[str, Any]:
     from ktlong import chatui, render
     from ktlong.conversation import Conversation
     from ktlong.documents import read_document
@@ -22,8 +30,9 @@ def run(model: Path | None, prompt_file: str, settings: Settings, *, system: str
     from ktlong.promptcache import open_document
 
     if model is None:
-        raise KtlongError("no model given", hint="pass --model with a Hugging Face folder or a "
-                                                 ".gguf file")
+        raise KtlongError(
+            "no model given", hint="pass --model with a Hugging Face folder or a .gguf file"
+        )
     read_spec(model)
     doc = read_document(prompt_file, encoding)
     ui = chatui.TerminalUI(as_json=as_json)
@@ -35,15 +44,25 @@ def run(model: Path | None, prompt_file: str, settings: Settings, *, system: str
     if opened.entry is None:
         raise KtlongError(f"the prompt cache could not be written: {opened.note}")
     st = opened.session.stats
-    result = {"entry": str(opened.entry), "bytes": opened.entry.stat().st_size,
-              "tokens": len(ids), "source": opened.source, "prefill_s": st.prefill_s,
-              "prefill_tok_s": st.prefill_tok_s, "note": opened.note}
+    result = {
+        "entry": str(opened.entry),
+        "bytes": opened.entry.stat().st_size,
+        "tokens": len(ids),
+        "source": opened.source,
+        "prefill_s": st.prefill_s,
+        "prefill_tok_s": st.prefill_tok_s,
+        "note": opened.note,
+    }
     if as_json:
         render.print_json(result)
     else:
-        how = ("already cached" if opened.source == "cache"
-               else f"prefilled in {st.prefill_s:.1f} s ({st.prefill_tok_s:,.0f} tok/s)")
+        how = (
+            "already cached"
+            if opened.source == "cache"
+            else f"prefilled in {st.prefill_s:.1f} s ({st.prefill_tok_s:,.0f} tok/s)"
+        )
         render.console(stderr=True).print(
             f"{doc.name}: {len(ids):,} tokens {how}\n"
-            f"cache entry: {opened.entry} ({result['bytes'] / 1e9:.2f} GB)")
+            f"cache entry: {opened.entry} ({result['bytes'] / 1e9:.2f} GB)"
+        )
     return result

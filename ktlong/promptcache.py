@@ -1,13 +1,15 @@
 """The on-disk prompt cache: prefill a document once, memory-map its KV on every later chat.
 
 One entry is one file, `<key>.ktkv`, in the KV store's own layout so it maps straight back in:
-  magic "KTLONGKV" | u32 version | u64 header length | JSON header | pad to 4 KiB |
-  token ids int32 [n] | per layer: K, V [Hkv, nb, bs, d] (storage dtype), anchors f32 [Hkv, nb, A, d]
+  magic "KTLONGKV" | u32 version | u64 header length | JSON header | pad to 16 KiB |
+  token ids int32 [n] | per layer: K, V [Hkv, nb, bs, d] of the full blocks (storage dtype),
+  anchors f32 [Hkv, nb, A, d], K, V [Hkv, rem, d] of the partial last block;
 each section aligned to 4 KiB. The header names the model, tokenizer, kv_type, block_size and RoPE
 (the key: everything that changes KV contents, nothing else) and a CRC-32 per layer, checked on
 load. Entries are written to a temporary name, fsynced and renamed, under a per-key lock; only
 complete `*.ktkv` files are ever opened. JSON + raw arrays: no pickle, nothing in a file can run.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -28,7 +30,7 @@ import numpy as np
 from ktlong.config import Settings, ktlong_home
 from ktlong.engine import Progress, Session
 from ktlong.errors import KtlongError
-from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, to_storage, from_storage
+from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, from_storage, to_storage
 from ktlong.model import LoadedModel, ModelSpec
 
 MAGIC = b"KTLONGKV"
@@ -57,10 +59,16 @@ def cache_root(settings: Settings, cache_dir: Path | None = None) -> Path:
 
 def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     """Everything besides the token ids that changes the KV contents."""
-    return {"model": spec.fingerprint, "tokenizer": spec.tokenizer_fingerprint, "arch": spec.arch,
-            "kv_type": settings.kv_type, "block_size": settings.block_size,
-            "rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling,
-            "shape": [spec.n_layers, spec.n_kv_heads, spec.head_dim]}
+    return {
+        "model": spec.fingerprint,
+        "tokenizer": spec.tokenizer_fingerprint,
+        "arch": spec.arch,
+        "kv_type": settings.kv_type,
+        "block_size": settings.block_size,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling,
+        "shape": [spec.n_layers, spec.n_kv_heads, spec.head_dim],
+    }
 
 
 def _ids_hash(ids: list[int] | np.ndarray) -> str:
@@ -102,8 +110,12 @@ def _layout(h: dict[str, Any]) -> dict[str, int]:
     item = np.dtype(KV_TYPES[h["content"]["kv_type"]][0]).itemsize
     nb, bs, A, rem = h["n_blocks"], h["content"]["block_size"], h["anchor_num"], h["remainder"]
     kv, an, rm = H * nb * bs * d * item, H * nb * A * d * 4, H * rem * d * item
-    return {"kv": kv, "anchors": an, "rem": rm,
-            "layer": 2 * _align(kv) + _align(an) + 2 * _align(rm)}
+    return {
+        "kv": kv,
+        "anchors": an,
+        "rem": rm,
+        "layer": 2 * _align(kv) + _align(an) + 2 * _align(rm),
+    }
 
 
 def verify(path: Path, header: dict[str, Any], offset: int) -> float:
@@ -131,8 +143,14 @@ def verify(path: Path, header: dict[str, Any], offset: int) -> float:
     return time.perf_counter() - t0
 
 
-def map_entry(path: Path, header: dict[str, Any], offset: int, capacity: int,
-              anchor_type: str, anchor_num: int) -> tuple[KVStore, list[int]]:
+def map_entry(
+    path: Path,
+    header: dict[str, Any],
+    offset: int,
+    capacity: int,
+    anchor_type: str,
+    anchor_num: int,
+) -> tuple[KVStore, list[int]]:
     """A KVStore whose base segment is the entry's full blocks, memory-mapped read-only."""
     c = header["content"]
     L, H, d = c["shape"]
@@ -183,14 +201,23 @@ def _head_blocks(store: KVStore, layer: int, which: str, n_full: int) -> Iterato
             yield _raw(np.ascontiguousarray(tail[h, : n_full - nb_base]))
 
 
-def write_entry(path: Path, session: Session, content: dict[str, Any], extra: dict[str, Any]) -> Path:
+def write_entry(
+    path: Path, session: Session, content: dict[str, Any], extra: dict[str, Any]
+) -> Path:
     """Write the session's store to `path` atomically (temp name, fsync, rename)."""
     store, n = session.store, len(session.tokens)
-    bs, H, d = store.shape.block_size, store.shape.n_kv_heads, store.shape.head_dim
+    bs = store.shape.block_size
     n_full, rem = n // bs, n % bs
-    header = {"content": content, "n_tokens": n, "n_blocks": n_full, "remainder": rem,
-              "anchor_num": store.shape.anchor_num, "anchor_type": session.settings.anchor_type,
-              "created": time.time(), **extra}
+    header = {
+        "content": content,
+        "n_tokens": n,
+        "n_blocks": n_full,
+        "remainder": rem,
+        "anchor_num": store.shape.anchor_num,
+        "anchor_type": session.settings.anchor_type,
+        "created": time.time(),
+        **extra,
+    }
     sz = _layout(header)
     session.policy.complete_anchors()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -217,8 +244,10 @@ def write_entry(path: Path, session: Session, content: dict[str, Any], extra: di
                 crc = section(f, [_raw(a)], sz["anchors"], crc)
                 rems = [np.zeros(0, np.uint8)] * 2
                 if rem:  # the partial last block: [H, rem, d] each
-                    rems = [to_storage(t, store.shape.kv_type)
-                            for t in store.token_range(layer, n_full * bs, n)]
+                    rems = [
+                        to_storage(t, store.shape.kv_type)
+                        for t in store.token_range(layer, n_full * bs, n)
+                    ]
                 for r in rems:
                     crc = section(f, [_raw(np.ascontiguousarray(r))], sz["rem"], crc)
                 crcs.append(crc)
@@ -235,8 +264,10 @@ def write_entry(path: Path, session: Session, content: dict[str, Any], extra: di
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise KtlongError(f"could not write the prompt cache to {path.parent}: {e.strerror}",
-                              hint="free disk space, move it with --cache-dir, or use --no-cache") from None
+            raise KtlongError(
+                f"could not write the prompt cache to {path.parent}: {e.strerror}",
+                hint="free disk space, move it with --cache-dir, or use --no-cache",
+            ) from None
         raise
     return path
 
@@ -294,8 +325,14 @@ class PromptCache:
     def _open(self, entry: Entry, settings: Settings) -> tuple[KVStore, list[int], float]:
         header, offset = read_header(entry.path)
         spent = verify(entry.path, header, offset)
-        store, ids = map_entry(entry.path, header, offset, settings.max_seq_len,
-                                settings.anchor_type, settings.anchor_num)
+        store, ids = map_entry(
+            entry.path,
+            header,
+            offset,
+            settings.max_seq_len,
+            settings.anchor_type,
+            settings.anchor_num,
+        )
         os.utime(entry.path)  # last used, for LRU eviction
         return store, ids, spent
 
@@ -307,16 +344,22 @@ class PromptCache:
             if h.get("content") != ck or h.get("n_tokens", 0) > len(ids) or h["n_tokens"] == 0:
                 continue
             if h.get("ids_sha") == _ids_hash(ids[: h["n_tokens"]]) and (
-                    best is None or h["n_tokens"] > best.header["n_tokens"]):
+                best is None or h["n_tokens"] > best.header["n_tokens"]
+            ):
                 best = e
         return best
 
-    def store(self, session: Session, ck: dict[str, Any], folder: str = "entries",
-              name: str | None = None) -> Path:
+    def store(
+        self, session: Session, ck: dict[str, Any], folder: str = "entries", name: str | None = None
+    ) -> Path:
         (self.root / folder).mkdir(parents=True, exist_ok=True)
         key = name or entry_key(ck, session.tokens)
-        path = write_entry(self.root / folder / f"{key}{SUFFIX}", session, ck,
-                           {"ids_sha": _ids_hash(session.tokens), "model_path": session.lm.spec.path})
+        path = write_entry(
+            self.root / folder / f"{key}{SUFFIX}",
+            session,
+            ck,
+            {"ids_sha": _ids_hash(session.tokens), "model_path": session.lm.spec.path},
+        )
         if folder == "entries":
             self.evict(keep=path)
         return path
@@ -353,9 +396,14 @@ def open_cache(settings: Settings, cache_dir: Path | None = None) -> PromptCache
     return PromptCache(cache_root(settings, cache_dir), int(settings.cache_max_gb * 1e9))
 
 
-def open_document(lm: LoadedModel, settings: Settings, ids: list[int],
-                  progress: Progress | None = None, use_cache: bool = True,
-                  cache_dir: Path | None = None) -> Opened:
+def open_document(
+    lm: LoadedModel,
+    settings: Settings,
+    ids: list[int],
+    progress: Progress | None = None,
+    use_cache: bool = True,
+    cache_dir: Path | None = None,
+) -> Opened:
     """A Session whose store holds `ids` (the document's prompt tokens).
 
     Uses the longest cache entry whose tokens are a prefix of `ids` and prefills only the rest;
@@ -377,7 +425,7 @@ def open_document(lm: LoadedModel, settings: Settings, ids: list[int],
                 store, cached_ids, spent = cache._open(entry, settings)
                 session = Session(lm, settings, store=store, tokens=cached_ids)
                 if len(cached_ids) < len(ids):
-                    session.prefill(ids[len(cached_ids):], progress)
+                    session.prefill(ids[len(cached_ids) :], progress)
                 else:
                     session.extend_to(ids)  # re-feeds the last token for its logits
                 return Opened(session, "cache", entry.path, verify_s=spent)
@@ -393,8 +441,9 @@ def open_document(lm: LoadedModel, settings: Settings, ids: list[int],
     return Opened(session, "prefill", path, note)
 
 
-def save_conversation(session: Session, name: str, cache_dir: Path | None = None,
-                      state: dict[str, Any] | None = None) -> Path:
+def save_conversation(
+    session: Session, name: str, cache_dir: Path | None = None, state: dict[str, Any] | None = None
+) -> Path:
     """Keep the whole conversation's KV under `name`, and `state` (the chat's text) beside it."""
     if not name.replace("-", "").replace("_", "").isalnum():
         raise KtlongError(f"bad name '{name}': use letters, digits, '-' and '_'")
@@ -415,8 +464,9 @@ def save_conversation(session: Session, name: str, cache_dir: Path | None = None
     return path
 
 
-def load_conversation(lm: LoadedModel, settings: Settings, name: str,
-                      cache_dir: Path | None = None) -> tuple[Session, dict[str, Any]]:
+def load_conversation(
+    lm: LoadedModel, settings: Settings, name: str, cache_dir: Path | None = None
+) -> tuple[Session, dict[str, Any]]:
     """A Session resumed from a /save (chat's /load), and the state saved with it."""
     cache = open_cache(settings, cache_dir)
     path = cache.root / "saved" / f"{name}{SUFFIX}"
@@ -425,14 +475,18 @@ def load_conversation(lm: LoadedModel, settings: Settings, name: str,
         raise KtlongError(f"no saved conversation '{name}'", hint=f"saved: {names}")
     header, _ = read_header(path)
     if header.get("content") != content_key(lm.spec, settings):
-        raise KtlongError(f"'{name}' was saved with another model or kv_type/block_size",
-                          hint=f"it was made with {header.get('model_path')}")
+        raise KtlongError(
+            f"'{name}' was saved with another model or kv_type/block_size",
+            hint=f"it was made with {header.get('model_path')}",
+        )
     try:
         store, ids, _ = cache._open(Entry(path, header, 0, 0), settings)
         state = json.loads(path.with_suffix(".json").read_text(encoding="utf-8"))
     except (DamagedEntry, OSError, ValueError) as e:
-        raise KtlongError(f"saved conversation '{name}' cannot be used: {e}",
-                          hint="save it again, or remove it with `ktlong inspect cache --remove`")
+        raise KtlongError(
+            f"saved conversation '{name}' cannot be used: {e}",
+            hint="save it again, or remove it with `ktlong inspect cache --remove`",
+        ) from None
     session = Session(lm, settings, store=store, tokens=ids)
     session.extend_to(ids)
     return session, state
@@ -445,16 +499,26 @@ def list_entries(settings: Settings, cache_dir: Path | None = None) -> list[dict
     for kind in ("entries", "saved"):
         for e in cache.entries(kind):
             h = e.header
-            rows.append({"key": e.key, "kind": "document" if kind == "entries" else "saved",
-                         "model": h.get("model_path", "?"), "tokens": h.get("n_tokens"),
-                         "kv_type": h.get("content", {}).get("kv_type"), "bytes": e.size,
-                         "created": h.get("created"), "last_used": e.last_used,
-                         "path": str(e.path), "ok": bool(h)})
+            rows.append(
+                {
+                    "key": e.key,
+                    "kind": "document" if kind == "entries" else "saved",
+                    "model": h.get("model_path", "?"),
+                    "tokens": h.get("n_tokens"),
+                    "kv_type": h.get("content", {}).get("kv_type"),
+                    "bytes": e.size,
+                    "created": h.get("created"),
+                    "last_used": e.last_used,
+                    "path": str(e.path),
+                    "ok": bool(h),
+                }
+            )
     return rows
 
 
-def remove_entries(settings: Settings, which: list[str],
-                   cache_dir: Path | None = None) -> list[str]:
+def remove_entries(
+    settings: Settings, which: list[str], cache_dir: Path | None = None
+) -> list[str]:
     """Remove entries by key prefix or saved name ('all' removes every one); returns the keys."""
     cache = open_cache(settings, cache_dir)
     every = cache.entries() + cache.entries("saved")
@@ -462,8 +526,9 @@ def remove_entries(settings: Settings, which: list[str],
     for w in which:
         hits = [e for e in every if w == "all" or e.key.startswith(w)]
         if not hits:
-            raise KtlongError(f"no prompt-cache entry matches '{w}'",
-                              hint="`ktlong inspect cache` lists them")
+            raise KtlongError(
+                f"no prompt-cache entry matches '{w}'", hint="`ktlong inspect cache` lists them"
+            )
         for e in hits:
             e.path.unlink(missing_ok=True)
             e.path.with_suffix(".json").unlink(missing_ok=True)

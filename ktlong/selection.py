@@ -8,9 +8,8 @@ every block. Selections are reused between `token_step` tokens and within groups
 left the local window since it was made. With preselection, the prompt's last queries vote
 (SnapKV) and later selections draw only from the winners plus blocks completed afterwards.
 """
-from __future__ import annotations
 
-from typing import Any
+from __future__ import annotations
 
 import numpy as np
 import torch
@@ -30,7 +29,7 @@ class SelectionPolicy:
         self.n_init = s.init_len // self.bs
         self.shared = s.head_select_mode == "SHARED"
         self.n_kv = spec.n_kv_heads
-        self.scale = np.float32(spec.head_dim ** -0.5)
+        self.scale = np.float32(spec.head_dim**-0.5)
         self._groups: dict[int, tuple[np.ndarray, int]] = {}  # group -> (selected [S, k], local0)
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
         self._preselect_upto = 0  # blocks complete when the vote was taken
@@ -101,8 +100,9 @@ class SelectionPolicy:
         if k >= cand.size:
             return np.broadcast_to(cand, (S, cand.size)).copy()
         self._ensure_anchors(layer, local0)
-        scores = kernels.score_blocks(q, self.store.anchors[layer], cand,
-                                      self.s.anchor_type == "QUEST", self.shared)
+        scores = kernels.score_blocks(
+            q, self.store.anchors[layer], cand, self.s.anchor_type == "QUEST", self.shared
+        )
         return kernels.topk_blocks(scores, cand, k)
 
     # --- anchors -----------------------------------------------------------------------------
@@ -119,12 +119,22 @@ class SelectionPolicy:
         for layer in range(self.store.shape.n_layers):
             self._ensure_anchors(layer, self.store.length // self.bs)
 
-    def _anchors(self, layer: int, first: int, last: int, kind: str,
-                 token_scores: np.ndarray | None) -> None:
+    def _anchors(
+        self, layer: int, first: int, last: int, kind: str, token_scores: np.ndarray | None
+    ) -> None:
         k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
-        kernels.compute_anchors(k_base, k_tail, nb_base, first, last, kind, self.s.anchor_num,
-                                self.store.anchors[layer], token_scores,
-                                kv_kind=self.store.kv_kind)
+        kernels.compute_anchors(
+            k_base,
+            k_tail,
+            nb_base,
+            first,
+            last,
+            kind,
+            self.s.anchor_num,
+            self.store.anchors[layer],
+            token_scores,
+            kv_kind=self.store.kv_kind,
+        )
         self.store.n_anchored[layer] = max(self.store.n_anchored[layer], last)
 
     # --- prefill hooks -----------------------------------------------------------------------
@@ -142,13 +152,21 @@ class SelectionPolicy:
         for layer, qw in captured.items():
             if layer < self.s.dense_layer_num:
                 continue
-            need_dyn = dynamic and self.store.n_anchored[layer] < n_full and \
-                self._dynamic_upto[layer] == 0
+            need_dyn = (
+                dynamic and self.store.n_anchored[layer] < n_full and self._dynamic_upto[layer] == 0
+            )
             if not (need_dyn or self.s.preselect_block):
                 continue
             k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
-            votes = kernels.query_votes(np.ascontiguousarray(qw.numpy()), k_base, k_tail, nb_base,
-                                        n_tokens, self.scale, self.store.kv_kind)  # [Hkv, n]
+            votes = kernels.query_votes(
+                np.ascontiguousarray(qw.numpy()),
+                k_base,
+                k_tail,
+                nb_base,
+                n_tokens,
+                self.scale,
+                self.store.kv_kind,
+            )  # [Hkv, n]
             if need_dyn:
                 first = self.store.n_anchored[layer]
                 self._anchors(layer, first, n_full, "DYNAMIC", votes)
@@ -163,8 +181,9 @@ class SelectionPolicy:
         w = self.s.preselect_pool
         v = torch.from_numpy(votes.sum(0))[None, None]  # [1, 1, n]
         if w > 1:
-            v = torch.nn.functional.avg_pool1d(v, w, stride=1, padding=w // 2,
-                                               count_include_pad=False)[..., :n_tokens]
+            v = torch.nn.functional.avg_pool1d(
+                v, w, stride=1, padding=w // 2, count_include_pad=False
+            )[..., :n_tokens]
         v = v[0, 0].numpy()
         n_full = n_tokens // self.bs
         per_block = v[: n_full * self.bs].reshape(n_full, self.bs).sum(1)

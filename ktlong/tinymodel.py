@@ -4,6 +4,7 @@ Nothing is downloaded: the byte-level BPE tokenizer is trained here on generated
 weights are random. The GGUF writer applies llama.cpp's Q/K row permutation for llama-family
 tensors, which transformers undoes on load; without it a GGUF model is silently wrong.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,10 +18,12 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-_WORDS = ("the a of and to in is was that for on with as by at from it this be are or an have not "
-          "which one all were when there can more if out so what up about into them than then its "
-          "river stone garden letter number key value pass needle hidden record city north south "
-          "morning evening winter summer silver copper lantern harbour meadow quiet bright").split()
+_WORDS = (
+    "the a of and to in is was that for on with as by at from it this be are or an have not "
+    "which one all were when there can more if out so what up about into them than then its "
+    "river stone garden letter number key value pass needle hidden record city north south "
+    "morning evening winter summer silver copper lantern harbour meadow quiet bright"
+).split()
 
 
 def filler_text(n_words: int, seed: int = 0) -> str:
@@ -45,30 +48,51 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = [filler_text(200, seed=i) + " 0123456789 key: value, pass?" for i in range(50)]
     tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   pad_token="<|eos|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|eos|>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def make_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
-                kv_heads: int = 2, head_dim: int | None = None, intermediate: int | None = None,
-                vocab: int = 512, max_positions: int = 131072, rope_theta: float = 10000.0,
-                rope_scaling: dict[str, Any] | None = None) -> Any:
+def make_config(
+    arch: str = "llama",
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+    vocab: int = 512,
+    max_positions: int = 131072,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+) -> Any:
     """A transformers config for one of the supported architectures."""
     from transformers import AutoConfig
 
     kw: dict[str, Any] = dict(
-        hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=head_dim or hidden // heads, vocab_size=vocab,
-        max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=1,
-        tie_word_embeddings=False)
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_positions,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
         rope.update(rope_scaling)
@@ -78,8 +102,15 @@ def make_config(arch: str = "llama", *, layers: int = 2, hidden: int = 64, heads
     return AutoConfig.for_model(arch, **kw)
 
 
-def make_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0, dtype: str = "float32",
-               qk_scale: float = 1.0, **config_kw: Any) -> Path:
+def make_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    qk_scale: float = 1.0,
+    **config_kw: Any,
+) -> Path:
     """Write a random model + tokenizer as an HF folder; returns the folder.
 
     `qk_scale` multiplies the q/k projections so attention is peaked rather than flat.
@@ -108,8 +139,11 @@ _GGUF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "
 
 def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's row order for rotary halves: [n_head, 2, dim/2, ...] -> [n_head, dim/2, 2, ...]
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32") -> Path:
@@ -148,8 +182,9 @@ def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32
     w.add_token_list(tokens)
     w.add_token_merges(merges)
     special = set(tok.all_special_tokens) | set(SPECIAL_TOKENS)
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL
-                       for t in tokens])
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    )
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
     w.add_add_bos_token(False)

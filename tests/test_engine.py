@@ -1,4 +1,5 @@
 """The engine against transformers' own forward and generate, on the same weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,9 @@ def _stock(path) -> torch.nn.Module:
 
         cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         cfg.head_dim = 16
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=cfg,
-                                                    attn_implementation="sdpa").eval()
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, config=cfg, attn_implementation="sdpa"
+        ).eval()
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
 
 
@@ -45,7 +47,7 @@ def test_dense_decode_equals_transformers_generate(arch, fmt, capsys):
     stock = _stock(path)
     with torch.no_grad():
         ref_logits = stock(torch.tensor([ids])).logits[0]
-        ref = stock.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):]
+        ref = stock.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :]
     diff = (logits - ref_logits).abs().max().item()
     with capsys.disabled():
         print(f"\n[{arch}/{fmt}] prefill logits max |diff| = {diff:.2e}")

@@ -1,4 +1,5 @@
 """The on-disk prompt cache: hits equal fresh prefills, and no damaged entry is ever used."""
+
 from __future__ import annotations
 
 import os
@@ -6,8 +7,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,12 @@ from ktlong.engine import Sampling
 from ktlong.errors import KtlongError
 from ktlong.model import load_model
 from ktlong.promptcache import (
-    SUFFIX, load_conversation, open_cache, open_document, read_header, save_conversation,
+    SUFFIX,
+    load_conversation,
+    open_cache,
+    open_document,
+    read_header,
+    save_conversation,
 )
 from ktlong.tinymodel import filler_text
 
@@ -67,7 +73,10 @@ def test_selection_settings_do_not_invalidate_but_kv_settings_do(lm, tmp_path):
     other_policy = settings(anchor_type="MEAN", second_select_num=3, token_step=2)
     assert open_document(lm, other_policy, ids, cache_dir=tmp_path).source == "cache"
     assert open_document(lm, settings(kv_type="BF16"), ids, cache_dir=tmp_path).source == "prefill"
-    assert open_document(lm, settings(block_size=32, init_len=32), ids, cache_dir=tmp_path).source == "prefill"
+    assert (
+        open_document(lm, settings(block_size=32, init_len=32), ids, cache_dir=tmp_path).source
+        == "prefill"
+    )
 
 
 def _entry(tmp_path):
@@ -155,7 +164,8 @@ def test_kill_during_write_leaves_nothing_that_loads(lm, tmp_path):
             return real(*a)
         pc.zlib.crc32 = slow
         lm = load_model(hf_model("llama", qk_scale=4.0), device="CPU", dtype="float32")
-        ids = lm.tokenizer(pc.__dict__.get("x", "") or open({str(tmp_path / "doc.txt")!r}).read())["input_ids"][:900]
+        text = open({str(tmp_path / "doc.txt")!r}).read()
+        ids = lm.tokenizer(text)["input_ids"][:900]
         print("start", flush=True)
         pc.open_document(lm, settings(), ids, cache_dir=pc.Path({str(tmp_path)!r}))
     """)
@@ -209,11 +219,14 @@ def test_inspect_cache_lists_and_removes_entries(lm, tmp_path):
     assert run.exit_code == 0, run.output
     (row,) = json.loads(run.output)["entries"]
     assert row["key"] == key and row["tokens"] == 600 and row["bytes"] > 0
-    run = CliRunner().invoke(app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove",
-                                   key[:8]])
+    run = CliRunner().invoke(
+        app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove", key[:8]]
+    )
     assert run.exit_code == 0 and f"removed {key}" in run.output
     assert not opened.entry.exists()
-    run = CliRunner().invoke(app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove", "zz"])
+    run = CliRunner().invoke(
+        app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove", "zz"]
+    )
     assert run.exit_code == 2 and "no prompt-cache entry matches" in run.output
 
 
@@ -227,15 +240,31 @@ def test_prefill_command_writes_the_entry_a_chat_then_maps(tmp_path):
     model = hf_model("llama", qk_scale=4.0)
     doc = tmp_path / "book.txt"
     doc.write_text(filler_text(700, seed=11))
-    base = ["--model", str(model), "--prompt-file", str(doc), "--cache-dir", str(tmp_path / "c"),
-            "--kv-type", "FP32", "--set", "max_seq_len=4096", "--set", "block_size=16",
-            "--set", "init_len=16", "--set", "local_windows_len=64"]
+    base = [
+        "--model",
+        str(model),
+        "--prompt-file",
+        str(doc),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--kv-type",
+        "FP32",
+        "--set",
+        "max_seq_len=4096",
+        "--set",
+        "block_size=16",
+        "--set",
+        "init_len=16",
+        "--set",
+        "local_windows_len=64",
+    ]
     run = CliRunner().invoke(app, ["prefill", *base, "--json"])
     assert run.exit_code == 0, run.output
-    out = json.loads(run.output[run.output.index("{"):])  # after the progress bar (stderr)
+    out = json.loads(run.output[run.output.index("{") :])  # after the progress bar (stderr)
     assert out["source"] == "prefill" and Path(out["entry"]).exists() and out["tokens"] > 700
-    chat = CliRunner().invoke(app, ["chat", *base, "--question", "What is the key?", "--json",
-                                    "--max-new-tokens", "4"])
+    chat = CliRunner().invoke(
+        app, ["chat", *base, "--question", "What is the key?", "--json", "--max-new-tokens", "4"]
+    )
     assert chat.exit_code == 0, chat.output
     assert "from the prompt cache" in chat.output or '"source": "cache"' in chat.output
     missing = CliRunner().invoke(app, ["prefill", "--model", str(model)])

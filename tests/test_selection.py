@@ -1,4 +1,5 @@
 """The selection policy: what each decode step reads, reuse across tokens and layers, profiles."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -64,8 +65,9 @@ def test_token_step_and_layer_step_reuse_and_keep_blocks_leaving_the_local_windo
 
 
 def test_preselection_restricts_later_selections():
-    s = _session(anchor_type="MEAN", preselect_block=True, preselect_block_count=12,
-                 second_select_num=4)
+    s = _session(
+        anchor_type="MEAN", preselect_block=True, preselect_block_count=12, second_select_num=4
+    )
     n = len(s.tokens)
     pre = set(s.policy._preselected[0].tolist())
     assert len(pre) == 12
@@ -89,8 +91,13 @@ SCALED = {  # each profile's method keys, at sizes a 1.5K-token test prompt exer
     "quest": dict(second_select_num=16),
     "snapkv": dict(preselect_block_count=128, second_select_num=128),
     "infllm": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=4),
-    "kvretrieval": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8,
-                        preselect_block_count=16),
+    "kvretrieval": dict(
+        block_size=16,
+        init_len=16,
+        local_windows_len=64,
+        second_select_num=8,
+        preselect_block_count=16,
+    ),
     "streamingllm": dict(block_size=16, init_len=16, local_windows_len=64),
 }
 

@@ -3,6 +3,7 @@ and decode speed from the memory-mapped entry vs the same entry copied into RAM 
 rounds in one process, medians). Prefill and hit each run in a fresh subprocess, so the hit
 really starts cold: new process, model loaded, entry checked and mapped.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,17 @@ def _worker(mode: str, model: str, n: int, cache_dir: str) -> dict[str, Any]:
 
     lm = load_model(model, device="CPU", dtype="float32")
     ids = lm.tokenizer(filler_text(n, seed=0))["input_ids"][:n]
-    st = dataclasses.replace(Settings(), kv_type="BF16", max_seq_len=n + 256, chunk_size=4096,
-                             anchor_type="MEAN", block_size=64, init_len=64, local_windows_len=256,
-                             second_select_num=8)
+    st = dataclasses.replace(
+        Settings(),
+        kv_type="BF16",
+        max_seq_len=n + 256,
+        chunk_size=4096,
+        anchor_type="MEAN",
+        block_size=64,
+        init_len=64,
+        local_windows_len=256,
+        second_select_num=8,
+    )
     warm = Path(cache_dir) / "warmup"  # compile every kernel this path uses before timing
     for _ in range(2):
         w = open_document(lm, st, ids[:1024], cache_dir=warm)
@@ -39,15 +48,22 @@ def _worker(mode: str, model: str, n: int, cache_dir: str) -> dict[str, Any]:
     opened = open_document(lm, st, ids, cache_dir=Path(cache_dir))
     next(opened.session.generate(Sampling(max_new_tokens=1)))
     ttft = time.perf_counter() - t0
-    out = {"mode": mode, "source": opened.source, "context": n, "ttft_s": ttft,
-           "verify_s": opened.verify_s,
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {
+        "mode": mode,
+        "source": opened.source,
+        "context": n,
+        "ttft_s": ttft,
+        "verify_s": opened.verify_s,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     if opened.source == "cache":  # decode A/B: the same entry mapped vs copied into RAM
         out.update(_decode_ab(opened.session, lm, st))
     return out
 
 
-def _decode_ab(mapped: Any, lm: Any, st: Any, rounds: int = 5, tokens: int = 16) -> dict[str, float]:
+def _decode_ab(
+    mapped: Any, lm: Any, st: Any, rounds: int = 5, tokens: int = 16
+) -> dict[str, float]:
     """Median decode tok/s from the memory-mapped store and from a RAM copy, interleaved."""
     import statistics
 
@@ -57,10 +73,13 @@ def _decode_ab(mapped: Any, lm: Any, st: Any, rounds: int = 5, tokens: int = 16)
     from ktlong.kvstore import KVStore
 
     src = mapped.store
-    ram = KVStore(src.shape, src.capacity, base=([np.array(a) for a in src.k_base],
-                                                 [np.array(a) for a in src.v_base]),
-                  base_anchors=[a[:, :src.n_anchored[i]] for i, a in enumerate(src.anchors)],
-                  nb_base=src.nb_base)
+    ram = KVStore(
+        src.shape,
+        src.capacity,
+        base=([np.array(a) for a in src.k_base], [np.array(a) for a in src.v_base]),
+        base_anchors=[a[:, : src.n_anchored[i]] for i, a in enumerate(src.anchors)],
+        nb_base=src.nb_base,
+    )
     n_base = src.nb_base * src.shape.block_size
     for layer in range(src.shape.n_layers):  # the tail tokens past the mapped blocks
         ram.write(layer, *src.token_range(layer, n_base, len(mapped.tokens)))
@@ -75,13 +94,18 @@ def _decode_ab(mapped: Any, lm: Any, st: Any, rounds: int = 5, tokens: int = 16)
             t = time.perf_counter()
             got = sum(1 for _ in s.generate(Sampling(max_new_tokens=tokens)))
             speed[k].append(got / (time.perf_counter() - t))
-    return {"decode_mmap_tok_s": statistics.median(speed["mmap"]),
-            "decode_ram_tok_s": statistics.median(speed["ram"])}
+    return {
+        "decode_mmap_tok_s": statistics.median(speed["mmap"]),
+        "decode_ram_tok_s": statistics.median(speed["ram"]),
+    }
 
 
 def _run(mode: str, model: Path, n: int, cache_dir: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "ktlong.bench.cache", mode, str(model), str(n),
-                          cache_dir], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ktlong.bench.cache", mode, str(model), str(n), cache_dir],
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{mode} at {n}: {out.stderr.strip().splitlines()[-1]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,29 +119,50 @@ def main(contexts: list[int], as_json: bool) -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="ktlong-bench-") as tmp:
-        model = make_model(Path(tmp) / "model", "llama", max_positions=max(contexts) * 2,
-                           **BENCH_SHAPE)
+        model = make_model(
+            Path(tmp) / "model", "llama", max_positions=max(contexts) * 2, **BENCH_SHAPE
+        )
         for n in contexts:
             cache_dir = str(Path(tmp) / f"cache-{n}")
             cold = _run("fill", model, n, cache_dir)  # prefill + write the entry
             hit = _run("hit", model, n, cache_dir)
             assert hit["source"] == "cache", "the second run did not hit the cache"
-            rows.append({"context": n, "prefill_ttft_s": cold["ttft_s"], "hit_ttft_s": hit["ttft_s"],
-                         "speedup": cold["ttft_s"] / hit["ttft_s"], "verify_s": hit["verify_s"],
-                         "decode_mmap_tok_s": hit["decode_mmap_tok_s"],
-                         "decode_ram_tok_s": hit["decode_ram_tok_s"],
-                         "hit_peak_rss_bytes": hit["peak_rss_bytes"]})
+            rows.append(
+                {
+                    "context": n,
+                    "prefill_ttft_s": cold["ttft_s"],
+                    "hit_ttft_s": hit["ttft_s"],
+                    "speedup": cold["ttft_s"] / hit["ttft_s"],
+                    "verify_s": hit["verify_s"],
+                    "decode_mmap_tok_s": hit["decode_mmap_tok_s"],
+                    "decode_ram_tok_s": hit["decode_ram_tok_s"],
+                    "hit_peak_rss_bytes": hit["peak_rss_bytes"],
+                }
+            )
     if as_json:
         print(json.dumps({"model": BENCH_SHAPE, "rows": rows}))
         return
     t = Table(title=f"prompt cache, random Llama {BENCH_SHAPE}, BF16 KV")
-    for col in ("context", "first token: prefill", "first token: cache hit", "speedup",
-                "checksum s", "decode tok/s mmap", "decode tok/s RAM"):
+    for col in (
+        "context",
+        "first token: prefill",
+        "first token: cache hit",
+        "speedup",
+        "checksum s",
+        "decode tok/s mmap",
+        "decode tok/s RAM",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(f"{r['context']:,}", f"{r['prefill_ttft_s']:.2f} s", f"{r['hit_ttft_s']:.2f} s",
-                  f"{r['speedup']:.0f}x", f"{r['verify_s']:.3f}", f"{r['decode_mmap_tok_s']:.1f}",
-                  f"{r['decode_ram_tok_s']:.1f}")
+        t.add_row(
+            f"{r['context']:,}",
+            f"{r['prefill_ttft_s']:.2f} s",
+            f"{r['hit_ttft_s']:.2f} s",
+            f"{r['speedup']:.0f}x",
+            f"{r['verify_s']:.3f}",
+            f"{r['decode_mmap_tok_s']:.1f}",
+            f"{r['decode_ram_tok_s']:.1f}",
+        )
     Console().print(t)
 
 

@@ -1,8 +1,9 @@
-"""`ktlong bench prefill`: ktlong's chunked layer-major prefill against transformers' one-shot forward.
+"""`ktlong bench prefill`: ktlong's chunked layer-major prefill vs transformers' one-shot forward.
 
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runtimes are interleaved
 per context length. The model is a small random Llama built locally (no downloads).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,14 @@ def _worker(runtime: str, model: str, n: int, threads: int) -> dict[str, Any]:
     if runtime == "ktlong":
         from ktlong.engine import Session
 
-        st = dataclasses.replace(Settings(), attention="DENSE", kv_type="BF16", chunk_size=4096,
-                                 max_seq_len=n + 16, threads_num=threads)
+        st = dataclasses.replace(
+            Settings(),
+            attention="DENSE",
+            kv_type="BF16",
+            chunk_size=4096,
+            max_seq_len=n + 16,
+            threads_num=threads,
+        )
         t0 = time.perf_counter()  # imports done, as for transformers below
         Session(lm, st).prefill(ids)
     else:
@@ -46,8 +53,13 @@ def _worker(runtime: str, model: str, n: int, threads: int) -> dict[str, Any]:
             stock(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
     dt = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"runtime": runtime, "context": n, "prefill_s": dt, "prefill_tok_s": n / dt,
-            "peak_rss_bytes": rss}
+    return {
+        "runtime": runtime,
+        "context": n,
+        "prefill_s": dt,
+        "prefill_tok_s": n / dt,
+        "peak_rss_bytes": rss,
+    }
 
 
 def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None) -> None:
@@ -60,13 +72,25 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
     tmp = None
     if model is None:
         tmp = tempfile.TemporaryDirectory(prefix="ktlong-bench-")
-        model = make_model(Path(tmp.name) / "model", "llama", max_positions=max(contexts) * 2,
-                           **BENCH_SHAPE)
+        model = make_model(
+            Path(tmp.name) / "model", "llama", max_positions=max(contexts) * 2, **BENCH_SHAPE
+        )
     rows = []
     for n in contexts:
         for runtime in ("ktlong", "transformers"):
-            out = subprocess.run([sys.executable, "-m", "ktlong.bench.prefill", runtime, str(model),
-                                  str(n), str(threads)], capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ktlong.bench.prefill",
+                    runtime,
+                    str(model),
+                    str(n),
+                    str(threads),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"{runtime} at {n}: {out.stderr.strip().splitlines()[-1]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -77,8 +101,13 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
     for col in ("context", "runtime", "tok/s", "seconds", "peak RSS (GB)"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(f"{r['context']:,}", r["runtime"], f"{r['prefill_tok_s']:.0f}",
-                      f"{r['prefill_s']:.1f}", f"{r['peak_rss_bytes'] / 1e9:.2f}")
+        table.add_row(
+            f"{r['context']:,}",
+            r["runtime"],
+            f"{r['prefill_tok_s']:.0f}",
+            f"{r['prefill_s']:.1f}",
+            f"{r['peak_rss_bytes'] / 1e9:.2f}",
+        )
     Console().print(table)
 
 
