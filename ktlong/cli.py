@@ -96,8 +96,8 @@ app = typer.Typer(name="ktlong", cls=_Group, no_args_is_help=True, add_completio
                   pretty_exceptions_show_locals=False,
                   help="Chat with a local LLM about very long documents (128K-1M tokens) using "
                        "block-sparse CPU attention.")
-inspect_app = typer.Typer(
-    no_args_is_help=True, help="Show settings, models, prompt caches and what sparse attention reads.")
+inspect_app = typer.Typer(no_args_is_help=True,
+                          help="Show settings, models, prompt caches, what sparse attention reads.")
 bench_app = typer.Typer(no_args_is_help=True, help="Measure speed and accuracy.")
 app.add_typer(inspect_app, name="inspect")
 app.add_typer(bench_app, name="bench")
