@@ -17,7 +17,7 @@ from ktlong.attention import AttentionRouter
 from ktlong.config import Settings
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KVStore, StoreShape
-from ktlong.memory import kv_bytes_per_token
+from ktlong.memory import gb, kv_bytes_per_token
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
 
@@ -113,7 +113,7 @@ class Session:
             per_tok = kv_bytes_per_token(self.lm.spec, self.settings.kv_type)
             raise KtlongError(
                 f"the prompt needs {need:,} tokens but max_seq_len is {self.store.capacity:,}; "
-                f"{need:,} tokens need {need * per_tok / 1e9:.1f} GB of KV cache",
+                f"{need:,} tokens need {gb(need * per_tok)} of KV cache",
                 hint="run `ktlong memcheck` to see what fits, then raise max_seq_len",
             )
 
@@ -200,7 +200,9 @@ class Session:
         keep = self.common_prefix(ids)
         if keep == len(ids):  # nothing new: re-feed the last token to get its logits
             keep -= 1
-        keep = max(keep, self.store.nb_base * self.store.shape.block_size)
+        base = self.store.nb_base * self.store.shape.block_size
+        if keep < base:  # the mapped prefix cannot be rewritten: the caller opens a new session
+            raise ValueError(f"the new ids leave the read-only cached prefix at token {keep}")
         if keep < len(self.tokens):
             self.truncate(keep)
         return self.prefill(ids[keep:], progress)

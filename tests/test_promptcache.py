@@ -269,3 +269,14 @@ def test_prefill_command_writes_the_entry_a_chat_then_maps(tmp_path):
     assert "from the prompt cache" in chat.output or '"source": "cache"' in chat.output
     missing = CliRunner().invoke(app, ["prefill", "--model", str(model)])
     assert missing.exit_code == 2 and "no document given" in missing.output
+
+
+def test_extend_to_refuses_to_rewrite_the_mapped_prefix(lm, tmp_path):
+    ids = _ids(lm, 800)
+    open_document(lm, settings(), ids, cache_dir=tmp_path)
+    hit = open_document(lm, settings(), ids, cache_dir=tmp_path).session
+    changed = list(ids)
+    changed[10] = (changed[10] + 1) % 100
+    with pytest.raises(ValueError, match="read-only cached prefix"):
+        hit.extend_to(changed)
+    assert hit.tokens == ids  # nothing was cut or written
