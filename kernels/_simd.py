@@ -109,3 +109,18 @@ def exp2_neg(x):
     p = ((((_P0 * f + _P1) * f + _P2) * f + _P3) * f + _P4) * f + _P5
     r = (_ONE + f * p) * _pow2(n)
     return r if x > _LO else _ZERO
+
+
+@intrinsic
+def to_bf16(typingctx, x):
+    """float32 -> bf16 bits (uint16), rounded to nearest even."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        u = builder.bitcast(args[0], i32)
+        odd = builder.and_(builder.lshr(u, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        u = builder.add(u, builder.add(odd, ir.Constant(i32, 0x7FFF)))
+        return builder.trunc(builder.lshr(u, ir.Constant(i32, 16)), ir.IntType(16))
+    return types.uint16(x), codegen

@@ -1,5 +1,8 @@
 """Block anchors (representative keys), block scores against a query, and top-k block choice.
 
+Anchors are stored as float32 or as BF16 bits (uint16): scoring reads every anchor of the context
+each step, so BF16 anchors halve the bytes that grow with the context.
+
 Anchor types (anchor_num = A per block):
 - MAX / MEAN: the block is cut into A equal runs of tokens; anchor a is the per-channel max / mean
   of run a (A = 1: of the whole block).
@@ -12,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, kv_bytes, kv_to_f64, to_f32
+from ._simd import F32, FASTMATH, f32_to_kv, kv_bytes, kv_to_f64, to_bf16, to_f32
 from .threads import use_threads
 
 ANCHOR_TYPES = {"MAX": 0, "MEAN": 1, "QUEST": 2, "FIX": 3, "DYNAMIC": 4}
@@ -64,20 +67,33 @@ def _block(kb, kind, out, sc):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, token_scores):
-    # K bytes [Hkv, nb, bs, d*size]; anchors [Hkv, nb_cap, A, d] f32; token_scores [Hkv, n | 0]
+def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, bf16, token_scores):
+    # K bytes [Hkv, nb, bs, d*size]; anchors bytes [Hkv, nb_cap, A, d*(2 or 4)];
+    # token_scores [Hkv, n | 0]
     hkv, bs = k_tail.shape[0], k_tail.shape[2]
+    na, d = anchors.shape[2], anchors.shape[3] // (2 if bf16 else 4)
     nblk = last - first
     for it in prange(hkv * nblk):
         j, b = it // nblk, first + it % nblk
         kb = k_base[j, b] if b < nb_base else k_tail[j, b - nb_base]  # [bs, d*size]
         sc = token_scores[j, b * bs:(b + 1) * bs]
+        out = np.empty((na, d), F32)  # [A, d]
         if dtype == 1:  # view the bytes back as the storage dtype
-            _block(kb.view(np.uint16), kind, anchors[j, b], sc)
+            _block(kb.view(np.uint16), kind, out, sc)
         elif dtype == 2:
-            _block(kb.view(np.int16), kind, anchors[j, b], sc)
+            _block(kb.view(np.int16), kind, out, sc)
         else:
-            _block(kb.view(F32), kind, anchors[j, b], sc)
+            _block(kb.view(F32), kind, out, sc)
+        if bf16:
+            dst16 = anchors[j, b].view(np.uint16)
+            for a in range(na):
+                for c in range(d):
+                    dst16[a, c] = to_bf16(out[a, c])
+        else:
+            dst32 = anchors[j, b].view(F32)
+            for a in range(na):
+                for c in range(d):
+                    dst32[a, c] = out[a, c]
 
 
 def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
@@ -85,15 +101,16 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     """Fill `anchors[:, first:last]` for the full blocks `first..last-1` (in place).
 
     k_base [Hkv, nb_base, bs, d], k_tail [Hkv, nb_tail_cap, bs, d] storage per kv_kind;
-    anchors [Hkv, nb_cap, anchor_num, d] f32; token_scores [Hkv, n_tokens] f32 for DYNAMIC.
+    anchors [Hkv, nb_cap, anchor_num, d] float32, or uint16 for BF16 anchors (rounded to nearest
+    even); token_scores [Hkv, n_tokens] f32 for DYNAMIC.
     """
     if anchor_type not in ANCHOR_TYPES:
         raise ValueError(f"unknown anchor_type {anchor_type!r}")
     kind = ANCHOR_TYPES[anchor_type]
     hkv, _, bs, d = k_tail.shape
     want = (hkv, anchors.shape[1], anchor_num, d)
-    if anchors.dtype != np.float32 or anchors.shape != want or not anchors.flags.c_contiguous:
-        raise ValueError(f"anchors must be C-contiguous float32 {list(want)}")
+    if anchors.shape != want:
+        raise ValueError(f"anchors must be {list(want)}, got {list(anchors.shape)}")
     if (kind == 2 and anchor_num != 2) or (kind != 2 and not 1 <= anchor_num <= bs):
         raise ValueError(f"{anchor_type} anchors cannot number {anchor_num} with block_size {bs}")
     if not 0 <= first <= last <= min(nb_base + k_tail.shape[1], anchors.shape[1]):
@@ -107,12 +124,13 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     if last > first:
         use_threads()
         _anchors(kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind), kv_kind,
-                 nb_base, first, last, kind, anchors, token_scores)
+                 nb_base, first, last, kind, anchor_bytes(anchors), anchors.dtype == np.uint16,
+                 token_scores)
 
 
 def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
                         token_scores=None, *, kv_kind):
-    """float64 NumPy reference of `compute_anchors` (writes float32 into `anchors`)."""
+    """float64 NumPy reference of `compute_anchors` (writes into `anchors`, float32 or BF16)."""
     hkv, _, bs, d = k_tail.shape
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
     for b in range(first, last):
@@ -129,12 +147,34 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
             sc = token_scores[:, b * bs:(b + 1) * bs]
             order = np.stack([np.lexsort((np.arange(bs), -sc[j]))[:anchor_num] for j in range(hkv)])
             res = np.take_along_axis(kb, order[:, :, None], axis=1)
-        anchors[:, b] = res
+        anchors[:, b] = res if anchors.dtype == np.float32 else f32_to_kv(res.astype(F32), 1)
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
+def _score_range(q, qsum, an, candidates, i0, i1, quest, out):
+    """Scores of candidates[i0:i1] per KV head into out [Hkv, n]; an [Hkv, nb_cap, A, d] (f32 or
+    BF16 bits). Elements are indexed directly: no per-row views (atomic reference counts)."""
+    hkv, na, d = an.shape[0], an.shape[2], an.shape[3]
+    g = q.shape[0] // hkv
+    for i in range(i0, i1):
+        b = candidates[i]
+        for j in range(hkv):
+            acc = F32(0.0)
+            if quest:
+                for h in range(j * g, (j + 1) * g):
+                    for c in range(d):
+                        lo, hi = to_f32(an[j, b, 0, c]), to_f32(an[j, b, 1, c])
+                        acc += max(q[h, c] * lo, q[h, c] * hi)
+            else:
+                for a in range(na):
+                    for c in range(d):
+                        acc += qsum[j, c] * to_f32(an[j, b, a, c])
+            out[j, i] = acc
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
-def _score(q, anchors, candidates, quest, shared):
-    # q [Hq, d] f32; anchors [Hkv, nb_cap, A, d]; candidates [n] -> [S, n]
+def _score(q, anchors, bf16, candidates, quest, shared, n_parts):
+    # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, d*(2 or 4)]; candidates [n] -> [S, n]
     hq, d = q.shape
     hkv, na = anchors.shape[0], anchors.shape[2]
     g = hq // hkv
@@ -143,45 +183,47 @@ def _score(q, anchors, candidates, quest, shared):
     for h in range(hq):
         for c in range(d):
             qsum[h // g, c] += q[h, c] / F32(na)
-    out = np.empty((1 if shared else hkv, n), F32)
-    for i in prange(n):  # elements indexed directly: no per-row views (atomic refcounts)
-        b = candidates[i]
-        tot = F32(0.0)
-        for j in range(hkv):
-            acc = F32(0.0)
-            if quest:
-                for h in range(j * g, (j + 1) * g):
-                    for c in range(d):
-                        acc += max(q[h, c] * anchors[j, b, 0, c], q[h, c] * anchors[j, b, 1, c])
-            else:
-                for a in range(na):
-                    for c in range(d):
-                        acc += qsum[j, c] * anchors[j, b, a, c]
-            if shared:
-                tot += acc
-            else:
-                out[j, i] = acc
-        if shared:
-            out[0, i] = tot
+    per_head = np.empty((hkv, n), F32)
+    for part in prange(n_parts):
+        i0, i1 = part * n // n_parts, (part + 1) * n // n_parts
+        if bf16:
+            _score_range(q, qsum, anchors.view(np.uint16), candidates, i0, i1, quest, per_head)
+        else:
+            _score_range(q, qsum, anchors.view(F32), candidates, i0, i1, quest, per_head)
+    if not shared:
+        return per_head
+    out = np.zeros((1, n), F32)
+    for j in range(hkv):
+        for i in range(n):
+            out[0, i] += per_head[j, i]
     return out
+
+
+def anchor_bytes(anchors: np.ndarray) -> np.ndarray:
+    """Anchors [Hkv, nb_cap, A, d] (float32, or uint16 BF16 bits) as a uint8 view."""
+    if anchors.ndim != 4 or not anchors.flags.c_contiguous or anchors.dtype not in (
+            np.float32, np.uint16):
+        raise ValueError("anchors must be a C-contiguous float32 or uint16 (BF16) "
+                         "[Hkv, nb_cap, A, d] array")
+    return anchors.view(np.uint8)
 
 
 def score_blocks(q, anchors, candidates, quest, shared):
     """Scores of candidate blocks for query q [Hq, d]: [1 (shared) or Hkv, n_cand] f32.
 
     Per head: mean over anchors of q_h . anchor, or QUEST's bound sum_c max(q_c min_c, q_c max_c);
-    summed over all heads (shared) or over each KV head's group.
+    summed over all heads (shared) or over each KV head's group. anchors [Hkv, nb_cap, A, d] are
+    float32 or BF16 bits (uint16).
     """
-    if anchors.dtype != np.float32 or anchors.ndim != 4 or not anchors.flags.c_contiguous:
-        raise ValueError("anchors must be a C-contiguous float32 [Hkv, nb_cap, A, d] array")
+    raw = anchor_bytes(anchors)
     candidates = np.ascontiguousarray(candidates, dtype=np.int32)
     if candidates.size and (candidates.min() < 0 or candidates.max() >= anchors.shape[1]):
         raise ValueError("candidate block id out of range")
     if quest and anchors.shape[2] != 2:
         raise ValueError("QUEST scores need anchors [..., 2, d] (min, max)")
-    use_threads()
-    return _score(np.ascontiguousarray(q, dtype=np.float32), anchors, candidates, bool(quest),
-                  bool(shared))
+    n_parts = max(1, min(4 * use_threads(), candidates.size))
+    return _score(np.ascontiguousarray(q, dtype=np.float32), raw, anchors.dtype == np.uint16,
+                  candidates, bool(quest), bool(shared), n_parts)
 
 
 def score_blocks_ref(q, anchors, candidates, quest, shared):
@@ -189,7 +231,7 @@ def score_blocks_ref(q, anchors, candidates, quest, shared):
     hkv = anchors.shape[0]
     g = q.shape[0] // hkv
     qg = q.astype(np.float64).reshape(hkv, g, -1)  # [Hkv, g, d]
-    an = anchors[:, candidates].astype(np.float64)  # [Hkv, n, A, d]
+    an = kv_to_f64(anchors[:, candidates], 0 if anchors.dtype == np.float32 else 1)  # [Hkv,n,A,d]
     if quest:
         lo, hi = an[:, None, :, 0], an[:, None, :, 1]  # [Hkv, 1, n, d]
         per_group = np.maximum(qg[:, :, None] * lo, qg[:, :, None] * hi).sum((1, 3))

@@ -62,7 +62,7 @@ def _worker(mode: str, model: str, n: int, cache_dir: str) -> dict[str, Any]:
 
 
 def _decode_ab(
-    mapped: Any, lm: Any, st: Any, rounds: int = 5, tokens: int = 16
+    mapped: Any, lm: Any, st: Any, rounds: int = 6, tokens: int = 16
 ) -> dict[str, float]:
     """Median decode tok/s from the memory-mapped store and from a RAM copy, interleaved."""
     import statistics
@@ -87,8 +87,9 @@ def _decode_ab(
     start = {k: len(s.tokens) for k, s in sessions.items()}
     last = mapped.tokens[-1]  # re-fed each round: every round starts from the same state
     speed: dict[str, list[float]] = {"mmap": [], "ram": []}
-    for _ in range(rounds):
-        for k, s in sessions.items():
+    for r in range(rounds):
+        for k in ("mmap", "ram") if r % 2 == 0 else ("ram", "mmap"):  # alternate: no order bias
+            s = sessions[k]
             s.truncate(start[k] - 1)
             s.prefill([last])
             t = time.perf_counter()
