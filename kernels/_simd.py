@@ -20,14 +20,28 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf i
 
 
 def kv_bytes(name: str, a: np.ndarray, kv_kind: int) -> np.ndarray:
-    """KV storage [Hkv, nb, bs, d] (float32 or uint16 bits) as a uint8 view for the kernels."""
+    """KV storage [Hkv, nb, bs, d] (float32 or uint16 bits) as a read-only uint8 view."""
     size = 4 if kv_kind == 0 else 2
     if a.ndim != 4 or not a.flags.c_contiguous or a.dtype.itemsize != size:
         raise ValueError(f"{name} must be a C-contiguous [Hkv, nb, bs, d] array of "
                          f"{size}-byte elements for kv_kind {kv_kind}, got {a.dtype} {a.shape}")
     if kv_kind == 1 and a.shape[3] % 2:
         raise ValueError("BF16 KV needs an even head_dim")
-    return a.view(np.uint8)
+    return readonly_bytes(a)
+
+
+def readonly_bytes(a: np.ndarray) -> np.ndarray:
+    """A read-only uint8 view of `a` (see `readonly`)."""
+    return readonly(a.view(np.uint8))
+
+
+def readonly(a: np.ndarray, dtype=None) -> np.ndarray:
+    """A read-only C-contiguous view (a copy only to fix dtype or layout). Memory-mapped cache
+    entries are read-only and Numba compiles a separate kernel for them, so every input a kernel
+    only reads is passed read-only: one compiled signature for RAM and mmap alike."""
+    v = np.ascontiguousarray(a, dtype=dtype).view()
+    v.flags.writeable = False
+    return v
 
 
 def kv_to_f64(a: np.ndarray, kv_kind: int) -> np.ndarray:

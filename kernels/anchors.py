@@ -15,7 +15,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, f32_to_kv, kv_bytes, kv_to_f64, to_bf16, to_f32
+from ._simd import (
+    F32,
+    FASTMATH,
+    f32_to_kv,
+    kv_bytes,
+    kv_to_f64,
+    readonly,
+    readonly_bytes,
+    to_bf16,
+    to_f32,
+)
+from ._vec import W, row_addr, vadd, vfma, vhsum, vload, vload2, vmax, vmul, vzero
+from .attention import channel_perm, pack_rows
 from .threads import use_threads
 
 ANCHOR_TYPES = {"MAX": 0, "MEAN": 1, "QUEST": 2, "FIX": 3, "DYNAMIC": 4}
@@ -118,13 +130,14 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     if kind == 4:
         if token_scores is None or token_scores.shape[1] < last * bs:
             raise ValueError("DYNAMIC anchors need token_scores covering the blocks")
-        token_scores = np.ascontiguousarray(token_scores, dtype=np.float32)
+        token_scores = readonly(token_scores, F32)
     else:
-        token_scores = np.zeros((k_tail.shape[0], 0), np.float32)
+        token_scores = readonly(np.zeros((k_tail.shape[0], 0), F32))
     if last > first:
         use_threads()
         _anchors(kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind), kv_kind,
-                 nb_base, first, last, kind, anchor_bytes(anchors), anchors.dtype == np.uint16,
+                 nb_base, first, last, kind, anchor_bytes(anchors, write=True),
+                 anchors.dtype == np.uint16,
                  token_scores)
 
 
@@ -151,61 +164,72 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _score_range(q, qsum, an, candidates, i0, i1, quest, out):
+def _score_range(qp, qs, an, candidates, i0, i1, quest, out):
     """Scores of candidates[i0:i1] per KV head into out [Hkv, n]; an [Hkv, nb_cap, A, d] (f32 or
-    BF16 bits). Elements are indexed directly: no per-row views (atomic reference counts)."""
+    BF16 bits). qp [Hkv, g, P] packed queries, qs [Hkv, 1, P] their group sums / A. Head by head,
+    so each head's anchors are one sequential stream."""
     hkv, na, d = an.shape[0], an.shape[2], an.shape[3]
-    g = q.shape[0] // hkv
-    for i in range(i0, i1):
-        b = candidates[i]
-        for j in range(hkv):
-            acc = F32(0.0)
+    g, ng = qp.shape[1], qp.shape[2] // (2 * W)
+    for j in range(hkv):
+        qj, sj = qp[j], qs[j]  # [g, P], [1, P]
+        for i in range(i0, i1):
+            b = candidates[i]
+            acc = vzero()
             if quest:
-                for h in range(j * g, (j + 1) * g):
-                    for c in range(d):
-                        lo, hi = to_f32(an[j, b, 0, c]), to_f32(an[j, b, 1, c])
-                        acc += max(q[h, c] * lo, q[h, c] * hi)
+                lo, hi = row_addr(an, j, b, 0), row_addr(an, j, b, 1)
+                for gi in range(ng):
+                    le, lo_ = vload2(an, lo, d, gi)
+                    he, ho = vload2(an, hi, d, gi)
+                    for h in range(g):
+                        qe, qo = vload(qj, h, 2 * W * gi), vload(qj, h, 2 * W * gi + W)
+                        acc = vadd(acc, vmax(vmul(qe, le), vmul(qe, he)))
+                        acc = vadd(acc, vmax(vmul(qo, lo_), vmul(qo, ho)))
             else:
                 for a in range(na):
-                    for c in range(d):
-                        acc += qsum[j, c] * to_f32(an[j, b, a, c])
-            out[j, i] = acc
+                    row = row_addr(an, j, b, a)
+                    for gi in range(ng):
+                        e, o = vload2(an, row, d, gi)
+                        acc = vfma(vload(sj, 0, 2 * W * gi), e,
+                                   vfma(vload(sj, 0, 2 * W * gi + W), o, acc))
+            out[j, i] = vhsum(acc)
+
+
+@njit(nogil=True, cache=True)
+def _score_prep(q, hkv, na, perm, n):
+    """Packed queries [Hkv, g, P], their group sums / A [Hkv, 1, P] and the per-head score array
+    [Hkv, n]; serial, so that no allocation becomes a parfor of the parallel kernel."""
+    g = q.shape[0] // hkv
+    qp = np.ascontiguousarray(pack_rows(q, hkv, perm, F32(1.0))[:, :g])
+    qs = np.zeros((hkv, 1, qp.shape[2]), F32)  # linear scores read each anchor once
+    for j in range(hkv):
+        for h in range(g):
+            for c in range(qp.shape[2]):
+                qs[j, 0, c] += qp[j, h, c] / F32(na)
+    return qp, qs, np.empty((hkv, n), F32)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
-def _score(q, anchors, bf16, candidates, quest, shared, n_parts):
-    # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, d*(2 or 4)]; candidates [n] -> [S, n]
-    hq, d = q.shape
-    hkv, na = anchors.shape[0], anchors.shape[2]
-    g = hq // hkv
+def _score(q, anchors, bf16, candidates, quest, n_parts, perm):
+    # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, d*(2 or 4)]; candidates [n] -> [Hkv, n]
     n = candidates.shape[0]
-    qsum = np.zeros((hkv, d), F32)  # group sums / A: linear scores read each anchor once
-    for h in range(hq):
-        for c in range(d):
-            qsum[h // g, c] += q[h, c] / F32(na)
-    per_head = np.empty((hkv, n), F32)
+    qp, qs, per_head = _score_prep(q, anchors.shape[0], anchors.shape[2], perm, n)
     for part in prange(n_parts):
         i0, i1 = part * n // n_parts, (part + 1) * n // n_parts
         if bf16:
-            _score_range(q, qsum, anchors.view(np.uint16), candidates, i0, i1, quest, per_head)
+            _score_range(qp, qs, anchors.view(np.uint16), candidates, i0, i1, quest, per_head)
         else:
-            _score_range(q, qsum, anchors.view(F32), candidates, i0, i1, quest, per_head)
-    if not shared:
-        return per_head
-    out = np.zeros((1, n), F32)
-    for j in range(hkv):
-        for i in range(n):
-            out[0, i] += per_head[j, i]
-    return out
+            _score_range(qp, qs, anchors.view(F32), candidates, i0, i1, quest, per_head)
+    return per_head
 
 
-def anchor_bytes(anchors: np.ndarray) -> np.ndarray:
-    """Anchors [Hkv, nb_cap, A, d] (float32, or uint16 BF16 bits) as a uint8 view."""
+def anchor_bytes(anchors: np.ndarray, write: bool = False) -> np.ndarray:
+    """Anchors [Hkv, nb_cap, A, d] (float32, or uint16 BF16 bits) as a uint8 view, read-only
+    unless written (see _simd.readonly_bytes)."""
     if anchors.ndim != 4 or not anchors.flags.c_contiguous or anchors.dtype not in (
             np.float32, np.uint16):
         raise ValueError("anchors must be a C-contiguous float32 or uint16 (BF16) "
                          "[Hkv, nb_cap, A, d] array")
-    return anchors.view(np.uint8)
+    return anchors.view(np.uint8) if write else readonly_bytes(anchors)
 
 
 def score_blocks(q, anchors, candidates, quest, shared):
@@ -216,14 +240,16 @@ def score_blocks(q, anchors, candidates, quest, shared):
     float32 or BF16 bits (uint16).
     """
     raw = anchor_bytes(anchors)
-    candidates = np.ascontiguousarray(candidates, dtype=np.int32)
+    candidates = readonly(candidates, np.int32)
     if candidates.size and (candidates.min() < 0 or candidates.max() >= anchors.shape[1]):
         raise ValueError("candidate block id out of range")
     if quest and anchors.shape[2] != 2:
         raise ValueError("QUEST scores need anchors [..., 2, d] (min, max)")
     n_parts = max(1, min(4 * use_threads(), candidates.size))
-    return _score(np.ascontiguousarray(q, dtype=np.float32), raw, anchors.dtype == np.uint16,
-                  candidates, bool(quest), bool(shared), n_parts)
+    bf16 = anchors.dtype == np.uint16
+    per_head = _score(readonly(q, F32), raw, bf16, candidates,
+                      bool(quest), n_parts, channel_perm(anchors.shape[3], 1 if bf16 else 0))
+    return per_head.sum(0, keepdims=True) if shared else per_head  # [S, n]
 
 
 def score_blocks_ref(q, anchors, candidates, quest, shared):

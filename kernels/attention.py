@@ -13,7 +13,7 @@ from functools import lru_cache
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, LN2, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64
+from ._simd import F32, FASTMATH, LN2, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64, readonly
 from ._vec import (
     W,
     packed_channels,
@@ -218,23 +218,30 @@ def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_tokens, 
     r, p = qp.shape[1], qp.shape[2]
     n = blocks.shape[1]
     n_items = hkv * n_split
-    acc = np.zeros((n_items, r, p), F32)  # [items, R, P]
-    mx = np.full((n_items, r), NEG_INF)
-    den = np.zeros((n_items, r), F32)
+    acc, mx, den = softmax_state(n_items, r, p)  # [items, R, P], [items, R], [items, R]
     for item in prange(n_items):
         j, part = item // n_split, item % n_split
         row = 0 if blocks.shape[0] == 1 else j
         ids = blocks[row, part * n // n_split:(part + 1) * n // n_split]
+        args = (nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
         if kind == 1:  # view the bytes back as the storage dtype
-            _item(qp[j], k_base.view(np.uint16), v_base.view(np.uint16), k_tail.view(np.uint16),
-                  v_tail.view(np.uint16), nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
+            _item(qp[j], k_base.view(np.uint16), v_base.view(np.uint16),
+                  k_tail.view(np.uint16), v_tail.view(np.uint16), *args)
         elif kind == 2:
             _item(qp[j], k_base.view(np.int16), v_base.view(np.int16), k_tail.view(np.int16),
-                  v_tail.view(np.int16), nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
+                  v_tail.view(np.int16), *args)
         else:
-            _item(qp[j], k_base.view(F32), v_base.view(F32), k_tail.view(F32), v_tail.view(F32),
-                  nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
+            _item(qp[j], k_base.view(F32), v_base.view(F32), k_tail.view(F32),
+                  v_tail.view(F32), *args)
     return _merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
+
+
+@njit(nogil=True, cache=True)
+def softmax_state(n, r, p):
+    """Empty online-softmax states: acc [n, r, p] = 0, max [n, r] = -inf, denominator [n, r] = 0.
+
+    A serial function: in a parallel one, np.zeros would become a parfor of its own."""
+    return np.zeros((n, r, p), F32), np.full((n, r), NEG_INF), np.zeros((n, r), F32)
 
 
 @njit(nogil=True, cache=True)
@@ -302,14 +309,14 @@ def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, 
     hkv, _, bs, d = k_tail.shape
     if q.ndim != 2 or q.shape[1] != d or q.shape[0] % hkv:
         raise ValueError(f"q must be [Hq, {d}] with Hq a multiple of {hkv}, got {q.shape}")
-    blocks = np.ascontiguousarray(blocks, dtype=np.int32)
+    blocks = readonly(blocks, np.int32)
     if blocks.ndim != 2 or blocks.shape[0] not in (1, hkv):
         raise ValueError(f"blocks must be [1 or {hkv}, n], got {blocks.shape}")
     n_blocks = min(nb_base + k_tail.shape[1], -(-n_tokens // bs))
     if blocks.size and (blocks.min() < 0 or blocks.max() >= n_blocks):
         raise ValueError(f"block id out of range 0..{n_blocks - 1}")
-    n_split = max(1, min(-(-2 * use_threads() // hkv), blocks.shape[1]))
-    return _attend(np.ascontiguousarray(q, dtype=F32), *kv, kv_kind, nb_base, blocks, n_tokens,
+    n_split = max(1, min(-(-4 * use_threads() // hkv), blocks.shape[1]))  # >= 4 items a thread
+    return _attend(readonly(q, F32), *kv, kv_kind, nb_base, blocks, n_tokens,
                    n_split, F32(scale * LOG2E), channel_perm(d, kv_kind))
 
 

@@ -1,7 +1,11 @@
 """Thread count for the kernels (Numba) and for torch.
 
-Numba's thread count is per calling thread, so every kernel wrapper calls `use_threads()`: a kernel
-launched from a helper thread (e.g. while the GPU runs the local window) honours the same setting.
+Numba's thread count and loop schedule are per calling thread, so every kernel wrapper calls
+`use_threads()`: a kernel launched from a helper thread (e.g. while the GPU runs the local window)
+honours the same setting. Parallel loops hand out one item at a time (dynamic schedule): on a busy
+machine a thread that loses its core holds back no one. Each parallel kernel has exactly one prange
+loop and allocates through serial helpers, so no implicit parfor (an np.zeros fill, say) runs
+element by element under that schedule.
 """
 from __future__ import annotations
 
@@ -29,4 +33,6 @@ def use_threads() -> int:
     n = _threads or numba.config.NUMBA_NUM_THREADS
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
+    if numba.get_parallel_chunksize() != 1:
+        numba.set_parallel_chunksize(1)
     return n

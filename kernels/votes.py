@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64
+from ._simd import F32, FASTMATH, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64, readonly
 from ._vec import (
     W,
     row_addr,
@@ -42,47 +42,54 @@ def _part(qp, k_base, k_tail, nb_base, n_tokens, nw, real, j, b0, b1, m, den, ls
     s = np.empty((rows, CH), F32)  # [R, CH]
     col = np.empty((1, CH), F32)  # pass 2: probabilities summed over rows
     first_q = n_tokens - nw  # position of query 0
-    for b in range(b0, b1):
-        nb = min(bs, n_tokens - b * bs)
-        for t0 in range(0, nb, CH):
-            nt = min(CH, nb - t0)
-            for i in range(nt):
-                if b < nb_base:
-                    ra[i] = row_addr(k_base, j, b, t0 + i)
-                else:
-                    ra[i] = row_addr(k_tail, j, b - nb_base, t0 + i)
-            qk_tiles(qp, k_tail, ra, nt, d, s, ra, np.int64(0))  # nothing to prefetch
-            p0 = b * bs + t0
-            for i in range(nt):  # causal: query w sees keys up to first_q + w
-                late = p0 + i - first_q
-                if late > 0:
-                    for r in range(real):
-                        if r % nw < late:
-                            s[r, i] = NEG_INF
-            for r in range(real):
-                for i in range(nt, CH):
-                    s[r, i] = NEG_INF
-            if lse.size == 0:  # pass 1
+    end = min(b1 * bs, n_tokens)
+    for p0 in range(b0 * bs, end, CH):  # chunks of CH consecutive keys, across block borders
+        nt = min(CH, end - p0)
+        for i in range(nt):
+            b, t = (p0 + i) // bs, (p0 + i) % bs
+            if b < nb_base:
+                ra[i] = row_addr(k_base, j, b, t)
+            else:
+                ra[i] = row_addr(k_tail, j, b - nb_base, t)
+        qk_tiles(qp, k_tail, ra, nt, d, s, ra, np.int64(0))  # nothing to prefetch
+        for i in range(nt):  # causal: query w sees keys up to first_q + w
+            late = p0 + i - first_q
+            if late > 0:
                 for r in range(real):
-                    mv = vload(s, r, 0)
-                    for c in range(W, CH, W):
-                        mv = vmax(mv, vload(s, r, c))
-                    mn = max(m[r], vhmax(mv))
-                    if mn == NEG_INF:
-                        continue
-                    mv, tot = vsplat(mn), vzero()
-                    for c in range(0, CH, W):
-                        tot = vadd(tot, vexp2_neg(vsub(vload(s, r, c), mv)))
-                    den[r] = den[r] * exp2_neg(m[r] - mn) + vhsum(tot)
-                    m[r] = mn
-            else:  # pass 2
+                    if r % nw < late:
+                        s[r, i] = NEG_INF
+        for r in range(real):
+            for i in range(nt, CH):
+                s[r, i] = NEG_INF
+        if lse.size == 0:  # pass 1
+            for r in range(real):
+                mv = vload(s, r, 0)
+                for c in range(W, CH, W):
+                    mv = vmax(mv, vload(s, r, c))
+                mn = max(m[r], vhmax(mv))
+                if mn == NEG_INF:
+                    continue
+                mv, tot = vsplat(mn), vzero()
                 for c in range(0, CH, W):
-                    tot = vzero()
-                    for r in range(real):
-                        tot = vadd(tot, vexp2_neg(vsub(vload(s, r, c), vsplat(lse[r]))))
-                    vstore(col, 0, c, tot)
-                for i in range(nt):
-                    votes[p0 + i] += col[0, i]
+                    tot = vadd(tot, vexp2_neg(vsub(vload(s, r, c), mv)))
+                den[r] = den[r] * exp2_neg(m[r] - mn) + vhsum(tot)
+                m[r] = mn
+        else:  # pass 2
+            for c in range(0, CH, W):
+                tot = vzero()
+                for r in range(real):
+                    tot = vadd(tot, vexp2_neg(vsub(vload(s, r, c), vsplat(lse[r]))))
+                vstore(col, 0, c, tot)
+            for i in range(nt):
+                votes[p0 + i] += col[0, i]
+
+
+@njit(nogil=True, cache=True)
+def _state(n_items, rows, hkv, n_tokens):
+    """Row max -inf and sum 0 per item [items, R], votes 0 [Hkv, n_tokens], lse [Hkv, R]; serial,
+    so that no allocation becomes a parfor of the parallel kernel."""
+    return (np.full((n_items, rows), NEG_INF), np.zeros((n_items, rows), F32),
+            np.zeros((hkv, n_tokens), F32), np.full((hkv, rows), NEG_INF))
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -91,25 +98,20 @@ def _votes(qp, k_base, k_tail, kind, nb_base, n_tokens, nw, real, n_split):
     hkv, rows, _ = qp.shape
     nblk = -(-n_tokens // k_tail.shape[2])
     n_items = hkv * n_split
-    mx = np.full((n_items, rows), NEG_INF)
-    den = np.zeros((n_items, rows), F32)
-    votes = np.zeros((hkv, n_tokens), F32)
-    lse = np.full((hkv, rows), NEG_INF)
+    mx, den, votes, lse = _state(n_items, rows, hkv, n_tokens)
     none = np.empty(0, F32)
     for pas in range(2):  # 1: row log-sum-exp per part; 2: probabilities (needs the merged lse)
         for item in prange(n_items):
             j, part = item // n_split, item % n_split
             b0, b1 = part * nblk // n_split, (part + 1) * nblk // n_split
-            ls = none if pas == 0 else lse[j]
+            args = (nb_base, n_tokens, nw, real, j, b0, b1, mx[item], den[item],
+                    none if pas == 0 else lse[j], votes[j])
             if kind == 1:  # view the bytes back as the storage dtype
-                _part(qp[j], k_base.view(np.uint16), k_tail.view(np.uint16), nb_base, n_tokens, nw,
-                      real, j, b0, b1, mx[item], den[item], ls, votes[j])
+                _part(qp[j], k_base.view(np.uint16), k_tail.view(np.uint16), *args)
             elif kind == 2:
-                _part(qp[j], k_base.view(np.int16), k_tail.view(np.int16), nb_base, n_tokens, nw,
-                      real, j, b0, b1, mx[item], den[item], ls, votes[j])
+                _part(qp[j], k_base.view(np.int16), k_tail.view(np.int16), *args)
             else:
-                _part(qp[j], k_base.view(F32), k_tail.view(F32), nb_base, n_tokens, nw, real, j,
-                      b0, b1, mx[item], den[item], ls, votes[j])
+                _part(qp[j], k_base.view(F32), k_tail.view(F32), *args)
         if pas == 0:
             for j in range(hkv):  # merge parts: log2-sum-exp per row
                 for r in range(real):
@@ -136,9 +138,9 @@ def query_votes(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
         raise ValueError(f"qw must be [Hq, W <= n_tokens, {d}], got {qw.shape}")
     if -(-n_tokens // bs) > nb_base + k_tail.shape[1]:
         raise ValueError("n_tokens exceeds the store")
-    rows = np.asarray(qw, dtype=np.float32).reshape(hq * nw, d)  # rows (head, w) per group
+    rows = readonly(qw, F32).reshape(hq * nw, d)  # rows (head, w) per group
     qp = pack_rows(rows, hkv, channel_perm(d, kv_kind), F32(scale * LOG2E))  # [Hkv, ceil4(gW), P]
-    n_split = max(1, min(-(-2 * use_threads() // hkv), -(-n_tokens // bs)))
+    n_split = max(1, min(-(-4 * use_threads() // hkv), -(-n_tokens // bs)))  # >= 4 items a thread
     return _votes(qp, kb, kt, kv_kind, nb_base, n_tokens, nw, (hq // hkv) * nw, n_split)
 
 

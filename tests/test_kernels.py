@@ -138,6 +138,22 @@ def test_concurrent_launches_from_two_threads():
         np.testing.assert_array_equal(w[0], g[0])
 
 
+def test_memory_mapped_base_uses_the_same_compiled_kernel(tmp_path):
+    """A read-only memory-mapped base (a prompt-cache hit) and RAM arrays: same result, and no
+    second compilation (every input the kernels only read is passed read-only)."""
+    from ktlong.kernels import attention
+
+    rng = np.random.default_rng(6)
+    q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, kind = draw(rng, 4, 16, 1, True)
+    want = K.attend_blocks(q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, kind)
+    kb.tofile(tmp_path / "k")
+    vb.tofile(tmp_path / "v")
+    km, vm = (np.memmap(tmp_path / n, np.uint16, "r", shape=kb.shape) for n in "kv")
+    got = K.attend_blocks(q, km, vm, kt, vt, nb_base, blocks, n_tokens, scale, kind)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert len(attention._attend.signatures) == 1
+
+
 def test_attend_rejects_bad_input():
     rng = np.random.default_rng(5)
     q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, kind = draw(rng, 4, 16, 1, True)

@@ -4,9 +4,11 @@ InternLM2.5-7B shapes (32 query heads, 8 KV heads, head_dim 128, BF16 KV) and th
 budget: block 128, init 128 tokens, local window 4096, 96 selected blocks chosen by scoring one
 anchor per block (SHARED); scoring and top-k are inside the sparse time. Dense is timed by every
 exact CPU path here (this kernel over all blocks, torch grouped matmul, torch SDPA) and the best is
-reported. The KV (4.3 GB at 1M) is allocated once and its prefixes serve the shorter contexts; the
-machine's streaming read bandwidth is measured in the same run, and caches are flushed before every
-timed run (a real decode reads 32 layers of KV, so none of it is cache-resident).
+reported. The KV (4.3 GB at 1M) is allocated once and its prefixes serve the shorter contexts.
+Each round times every kernel path once, interleaved with a sweep that measures the machine's
+streaming read bandwidth, each after a cache flush (a real decode reads 32 layers of KV, so none of
+it is cache-resident); medians over the rounds are reported, so a burst of background load hits
+the sparse, dense and bandwidth figures alike. Torch paths, far slower, report their best run.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ TORCH_BUDGET_S = 3.0  # stop repeating a slow torch path after this long
 
 @njit(parallel=True, nogil=True, cache=True)
 def _fill(words, seed):
-    """Random normal bf16 bit pairs in +-[2**-7, 2): uint32 words [n] (two bf16 each)."""
+    """Random bf16 values, two per uint32 word [n]: random sign, exponent and mantissa with
+    magnitudes in [2**-7, 2) (no subnormals, which would slow every FMA)."""
     n = words.shape[0]
     for c in prange(64):
         lo = c * n // 64
@@ -55,22 +58,28 @@ def _stream(words):
     return parts.sum()
 
 
-def _best_ms(fn: Callable[[], object], flush: Callable[[], object], repeats: int,
-             budget_s: float = float("inf")) -> float:
-    """Fastest of `repeats` runs, each after a cache flush; a slow path (past budget_s) stops
-    early and skips the warm-up run."""
-    best, spent = float("inf"), 0.0
-    if budget_s == float("inf"):
+def _rounds(fns: dict[str, Callable[[], object]], flush: Callable[[], object],
+            repeats: int) -> dict[str, float]:
+    """Median seconds of each fn over `repeats` interleaved rounds, each run after a flush."""
+    for fn in fns.values():
         fn()  # warm-up: compile, allocate
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        flush()
-        t = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t
+        for name, fn in fns.items():
+            flush()
+            times[name].append(_timed(fn))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _best_s(fn: Callable[[], object], repeats: int, budget_s: float) -> float:
+    """Fastest of up to `repeats` runs of a slow path, stopping once budget_s is spent."""
+    best, spent = float("inf"), 0.0
+    for _ in range(repeats):
+        dt = _timed(fn)
         best, spent = min(best, dt), spent + dt
         if spent > budget_s:
             break
-    return best * 1e3
+    return best
 
 
 def _candidates(n: int) -> tuple[int, int]:
@@ -93,18 +102,9 @@ def _select(kernels, q, anchors, n: int) -> np.ndarray:
                            np.arange(local0, nb, dtype=np.int32)])[None]
 
 
-def _bandwidth(arrays: list[np.ndarray]) -> float:
-    """Streaming read bandwidth in GB/s: best of three sweeps over uint64 `arrays`."""
-    def sweep() -> None:
-        for a in arrays:
-            _stream(a)
-    sweep()
-    return max(sum(a.nbytes for a in arrays) / _timed(sweep) for _ in range(3)) / 1e9
-
-
 def _row(n: int, k_all: np.ndarray, v_all: np.ndarray, anchors: np.ndarray, q: np.ndarray,
-         repeats: int, flush: Callable[[], object]) -> dict:
-    """Sparse and dense timings at context n over prefixes of the preallocated KV."""
+         repeats: int, probe: list[np.ndarray], flush: Callable[[], object]) -> dict:
+    """Sparse, dense and bandwidth figures at context n over prefixes of the preallocated KV."""
     import torch
 
     from ktlong import kernels
@@ -121,14 +121,9 @@ def _row(n: int, k_all: np.ndarray, v_all: np.ndarray, anchors: np.ndarray, q: n
     every = np.arange(nb, dtype=np.int32)[None]
     scale = HEAD_DIM ** -0.5
 
-    def select() -> np.ndarray:
-        return _select(kernels, q, an, n)
-
     def sparse() -> None:
-        kernels.attend_blocks(q, empty, empty, k, v, 0, select(), n, scale, 1)
-
-    def dense_kernel() -> None:
-        kernels.attend_blocks(q, empty, empty, k, v, 0, every, n, scale, 1)
+        blocks = _select(kernels, q, an, n)
+        kernels.attend_blocks(q, empty, empty, k, v, 0, blocks, n, scale, 1)
 
     def dense_matmul() -> None:  # grouped: [Hkv, g, d] @ [Hkv, d, n]
         s = torch.bmm(qt.view(HKV, HQ // HKV, HEAD_DIM), kt.transpose(1, 2)).float() * scale
@@ -138,25 +133,30 @@ def _row(n: int, k_all: np.ndarray, v_all: np.ndarray, anchors: np.ndarray, q: n
         torch.nn.functional.scaled_dot_product_attention(
             qt.view(1, HQ, 1, HEAD_DIM), kt[None], vt[None], enable_gqa=True)
 
-    blocks = select()
+    med = _rounds({
+        "sparse": sparse,
+        "select": lambda: _select(kernels, q, an, n),
+        "select_bf16": lambda: _select(kernels, q, an16, n),
+        "dense": lambda: kernels.attend_blocks(q, empty, empty, k, v, 0, every, n, scale, 1),
+        "stream": lambda: [_stream(a) for a in probe],
+    }, flush, repeats)
+    blocks = _select(kernels, q, an, n)
     attended = int(np.minimum(BLOCK, n - blocks[0].astype(np.int64) * BLOCK).sum())
     first, last = _candidates(n)
-    scored = last - first  # anchors read by the scoring
-    read = attended * HKV * HEAD_DIM * 2 * 2 + scored * HKV * HEAD_DIM * 4  # K + V bf16, anchors
-    sparse_ms = _best_ms(sparse, flush, repeats)
-    select_ms = _best_ms(select, flush, repeats)
-    select16_ms = _best_ms(lambda: _select(kernels, q, an16, n), flush, repeats)
-    paths = {"kernel": _best_ms(dense_kernel, flush, repeats),
-             "torch_matmul": _best_ms(dense_matmul, flush, repeats, TORCH_BUDGET_S),
-             "torch_sdpa": _best_ms(dense_sdpa, flush, repeats, TORCH_BUDGET_S)}
+    read = attended * HKV * HEAD_DIM * 2 * 2 + (last - first) * HKV * HEAD_DIM * 4  # K, V, anchors
+    paths = {"kernel": med["dense"] * 1e3,
+             "torch_matmul": _best_s(dense_matmul, repeats, TORCH_BUDGET_S) * 1e3,
+             "torch_sdpa": _best_s(dense_sdpa, repeats, TORCH_BUDGET_S) * 1e3}
     best = min(paths, key=paths.get)
-    torch_ms = min(paths["torch_matmul"], paths["torch_sdpa"])
+    sparse_ms = med["sparse"] * 1e3
     return {"context": n, "sparse_ms": sparse_ms, "dense_ms": paths[best],
-            "speedup": paths[best] / sparse_ms, "speedup_vs_torch": torch_ms / sparse_ms,
+            "speedup": paths[best] / sparse_ms,
+            "speedup_vs_torch": min(paths["torch_matmul"], paths["torch_sdpa"]) / sparse_ms,
             "kv_read_gbps": read / sparse_ms / 1e6,
-            "select_ms": select_ms, "select_bf16_anchors_ms": select16_ms,
-            "attended_tokens": attended, "kv_read_bytes": read,
-            "dense_path": best, "dense_paths_ms": paths}
+            "bandwidth_gbps": sum(a.nbytes for a in probe) / med["stream"] / 1e9,
+            "select_ms": med["select"] * 1e3, "select_bf16_anchors_ms": med["select_bf16"] * 1e3,
+            "attended_tokens": attended, "kv_read_bytes": read, "dense_path": best,
+            "dense_paths_ms": paths}
 
 
 def _measure(contexts: list[int], repeats: int) -> tuple[float, list[dict]]:
@@ -169,12 +169,13 @@ def _measure(contexts: list[int], repeats: int) -> tuple[float, list[dict]]:
     anchors = rng.standard_normal((HKV, nb_max, 1, HEAD_DIM)).astype(np.float32)
     q = rng.standard_normal((HQ, HEAD_DIM)).astype(np.float32)
     if k_all.nbytes + v_all.nbytes >= BANDWIDTH_BYTES:
-        bandwidth = _bandwidth([k_all.view(np.uint64), v_all.view(np.uint64)])
+        probe = [k_all.view(np.uint64), v_all.view(np.uint64)]
     else:
-        bandwidth = _bandwidth([np.ones(BANDWIDTH_BYTES // 8, np.uint64)])
+        probe = [np.ones(BANDWIDTH_BYTES // 8, np.uint64)]
     junk = np.ones(FLUSH_BYTES // 8, np.uint64)
-    rows = [_row(n, k_all, v_all, anchors, q, repeats, lambda: _stream(junk)) for n in contexts]
-    return bandwidth, rows
+    rows = [_row(n, k_all, v_all, anchors, q, repeats, probe, lambda: _stream(junk))
+            for n in contexts]
+    return float(np.median([r["bandwidth_gbps"] for r in rows])), rows
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -196,20 +197,21 @@ def main(contexts: list[int], repeats: int, threads: int, as_json: bool) -> None
     from rich.table import Table
 
     table = Table(title=f"decode attention, one layer (32 q heads, 8 KV heads, d 128, BF16 KV), "
-                        f"{threads} threads, best of {repeats}")
+                        f"{threads} threads, median of {repeats} rounds")
     for col in ("context", "attended", "sparse ms", "of which select", "dense ms", "dense path",
-                "speedup", "vs torch", "KV read GB/s", "of bandwidth"):
+                "speedup", "vs torch", "KV read GB/s", "bandwidth GB/s", "KV / bandwidth"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(f"{r['context']:,}", f"{r['attended_tokens']:,}", f"{r['sparse_ms']:.2f}",
                       f"{r['select_ms']:.2f}", f"{r['dense_ms']:.1f}", r["dense_path"],
                       f"{r['speedup']:.1f}x", f"{r['speedup_vs_torch']:.1f}x",
-                      f"{r['kv_read_gbps']:.1f}", f"{r['kv_read_gbps'] / bandwidth:.0%}")
-    console = Console()
-    console.print(table)
+                      f"{r['kv_read_gbps']:.1f}", f"{r['bandwidth_gbps']:.1f}",
+                      f"{r['kv_read_gbps'] / r['bandwidth_gbps']:.0%}")
     first, last = rows[0], rows[-1]
     bf16 = last["sparse_ms"] - last["select_ms"] + last["select_bf16_anchors_ms"]
-    console.print(f"streaming read bandwidth: {bandwidth:.1f} GB/s\n"
+    console = Console()
+    console.print(table)
+    console.print(f"streaming read bandwidth (median): {bandwidth:.1f} GB/s\n"
                   f"time at {last['context']:,} / time at {first['context']:,}: "
                   f"{last['sparse_ms'] / first['sparse_ms']:.2f}x "
                   f"({bf16 / first['sparse_ms']:.2f}x with BF16 anchors: select "
