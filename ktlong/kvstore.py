@@ -91,8 +91,10 @@ class KVStore:
         nb_tail = self.nb_cap - self.nb_base
         self.k_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
         self.v_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
+        # BF16 bit patterns: scoring reads every candidate's anchors each step, so half the
+        # bytes is what keeps a 1M-token step near a 16K one (the kernels decode them)
         self.anchors = [
-            np.zeros((H, self.nb_cap, shape.anchor_num, d), np.float32) for _ in range(L)
+            np.zeros((H, self.nb_cap, shape.anchor_num, d), np.uint16) for _ in range(L)
         ]
         self.n_anchored = [0] * L  # blocks [0, n_anchored) have anchors
         if base_anchors is not None:

@@ -3,7 +3,7 @@
 One entry is one file, `<key>.ktkv`, in the KV store's own layout so it maps straight back in:
   magic "KTLONGKV" | u32 version | u64 header length | JSON header | pad to 16 KiB |
   token ids int32 [n] | per layer: K, V [Hkv, nb, bs, d] of the full blocks (storage dtype),
-  anchors f32 [Hkv, nb, A, d], K, V [Hkv, rem, d] of the partial last block;
+  anchors bf16 bits [Hkv, nb, A, d], K, V [Hkv, rem, d] of the partial last block;
 each section aligned to 4 KiB. The header names the model, tokenizer, kv_type, block_size and RoPE
 (the key: everything that changes KV contents, nothing else) and a CRC-32 per layer, checked on
 load. Entries are written to a temporary name, fsynced and renamed, under a per-key lock; only
@@ -109,7 +109,7 @@ def _layout(h: dict[str, Any]) -> dict[str, int]:
     L, H, d = h["content"]["shape"]
     item = np.dtype(KV_TYPES[h["content"]["kv_type"]][0]).itemsize
     nb, bs, A, rem = h["n_blocks"], h["content"]["block_size"], h["anchor_num"], h["remainder"]
-    kv, an, rm = H * nb * bs * d * item, H * nb * A * d * 4, H * rem * d * item
+    kv, an, rm = H * nb * bs * d * item, H * nb * A * d * 2, H * rem * d * item
     return {
         "kv": kv,
         "anchors": an,
@@ -168,7 +168,7 @@ def map_entry(
         vs.append(v)
         o += 2 * _align(sz["kv"])
         if (header["anchor_type"], header["anchor_num"]) == (anchor_type, anchor_num) and nb:
-            anchors.append(np.array(np.memmap(path, np.float32, "r", o, (H, nb, anchor_num, d))))
+            anchors.append(np.array(np.memmap(path, np.uint16, "r", o, (H, nb, anchor_num, d))))
         o += _align(sz["anchors"])
         tk = [k[:, b].reshape(H, bs, d) for b in range(n_base, nb)]  # [H, bs, d] each
         tv = [v[:, b].reshape(H, bs, d) for b in range(n_base, nb)]
