@@ -95,9 +95,7 @@ class AttentionRouter:
                 :, -self.capture :
             ]
         if self.sparse:
-            if self.local is not None:
-                return self._sparse_split(layer, q, k, v, start, scale)
-            return self._sparse(layer, q, start, scale)
+            return self._sparse(layer, q, k, v, start, scale)
         if self.device.type == "cuda":
             self._mirror(layer, k, v, start)
         return self._dense(layer, q, start, scale)
@@ -187,83 +185,47 @@ class AttentionRouter:
         return (acc / denom[..., None]).reshape(Hq, L, d)
 
     # --- sparse: per token, policy picks blocks, Numba kernel attends -------------------------
-    def _sparse(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    def _attend_cpu(self, q: np.ndarray, kv: tuple, blocks: np.ndarray, n_tokens: int,
+                    scale: float) -> tuple[np.ndarray, np.ndarray]:
         from ktlong import kernels
 
-        Hq, L, d = q.shape
-        qn = q.detach().float().cpu().numpy()  # [Hq, L, d]
-        out = np.empty((Hq, L, d), np.float32)
-        k_base, v_base, k_tail, v_tail, nb_base = self.store.kernel_args(layer)
-        for i in range(L):
-            n_tokens = start + i + 1
-            qi = np.ascontiguousarray(qn[:, i])  # [Hq, d]
-            blocks = self.policy.select(layer, qi, n_tokens)  # [S, n] int32
-            o, _ = kernels.attend_blocks(
-                qi,
-                k_base,
-                v_base,
-                k_tail,
-                v_tail,
-                nb_base,
-                blocks,
-                n_tokens,
-                np.float32(scale),
-                self.store.kv_kind,
-            )
-            out[:, i] = o
-        return torch.from_numpy(out).to(q.device)
+        return kernels.attend_blocks(q, *kv, blocks, n_tokens, np.float32(scale),
+                                     self.store.kv_kind)
 
-    def _sparse_split(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        start: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """Like `_sparse`, with the local window on `self.local.device`, overlapped with the CPU."""
+    def _sparse(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                start: int, scale: float) -> torch.Tensor:
+        """Per token: the policy picks blocks and the CPU kernel reads them.
+
+        With a local-window device (the GPU), the window's blocks are attended there while the
+        CPU kernel reads the init + selected blocks in a worker thread; the two merge by LSE.
+        """
         from ktlong import kernels
 
         Hq, L, d = q.shape
         bs = self.store.shape.block_size
         qn = q.detach().float().cpu().numpy()  # [Hq, L, d]
-        out = torch.empty((Hq, L, d), dtype=torch.float32, device=q.device)
-        k_base, v_base, k_tail, v_tail, nb_base = self.store.kernel_args(layer)
+        out = np.empty((Hq, L, d), np.float32)
+        kv = self.store.kernel_args(layer)  # (k_base, v_base, k_tail, v_tail, nb_base)
         for i in range(L):
             n_tokens = start + i + 1
             qi = np.ascontiguousarray(qn[:, i])  # [Hq, d]
             blocks = self.policy.select(layer, qi, n_tokens)  # [S, n] int32
-            local0 = self.policy.last_local0
-            cut = blocks.shape[1] - (-(-n_tokens // bs) - local0)  # columns before the window
-            cpu_blocks = np.ascontiguousarray(blocks[:, :cut])
+            if self.local is None:
+                out[:, i] = self._attend_cpu(qi, kv, blocks, n_tokens, scale)[0]
+                continue
+            cut = blocks.shape[1] - (-(-n_tokens // bs) - self.policy.last_local0)  # pre-window
             job = None
             if cut > 0:
-                job = _POOL.submit(
-                    kernels.attend_blocks,
-                    qi,
-                    k_base,
-                    v_base,
-                    k_tail,
-                    v_tail,
-                    nb_base,
-                    cpu_blocks,
-                    n_tokens,
-                    np.float32(scale),
-                    self.store.kv_kind,
-                )
-            o_dev, lse_dev = self.local.attend(
-                layer, q[:, i], local0 * bs, n_tokens, scale, k[:, : i + 1], v[:, : i + 1], start
-            )
-            if job is None:
-                out[:, i] = o_dev.to(out.device)
-                continue
-            o_cpu, lse_cpu = job.result()
-            o, _ = kernels.merge_partials(
-                o_cpu, lse_cpu, o_dev.cpu().numpy(), lse_dev.cpu().numpy()
-            )
-            out[:, i] = torch.from_numpy(o).to(out.device)
-        return out
+                cpu_blocks = np.ascontiguousarray(blocks[:, :cut])
+                job = _POOL.submit(self._attend_cpu, qi, kv, cpu_blocks, n_tokens, scale)
+            o_dev, lse_dev = self.local.attend(layer, q[:, i], self.policy.last_local0 * bs,
+                                               n_tokens, scale, k[:, : i + 1], v[:, : i + 1],
+                                               start)
+            o, lse = o_dev.float().cpu().numpy(), lse_dev.float().cpu().numpy()
+            if job is not None:
+                o, lse = kernels.merge_partials(*job.result(), o, lse)
+            out[:, i] = o
+        return torch.from_numpy(out).to(q.device)
 
 
 class LocalWindow:

@@ -136,16 +136,18 @@ def test_local_window_on_a_device_merges_to_the_single_kernel_result(mode):
 
     s = _session(anchor_type="MEAN", head_select_mode=mode, kv_type="BF16")
     router = s.router
-    router.local = LocalWindow(s.store, torch.device("cpu"))
+    window = LocalWindow(s.store, torch.device("cpu"))
     spec, g = s.lm.spec, torch.Generator().manual_seed(0)
     worst = 0.0
     for _ in range(300):
         q = torch.randn(spec.n_heads, 1, spec.head_dim, generator=g)
         k, v = (torch.randn(spec.n_kv_heads, 1, spec.head_dim, generator=g) for _ in range(2))
         start = s.store.write(0, k, v)
-        one = router._sparse(0, q, start, 0.25)
-        split = router._sparse_split(0, q, k, v, start, 0.25)
+        router.local = None
+        one = router._sparse(0, q, k, v, start, 0.25)
+        router.local = window
+        split = router._sparse(0, q, k, v, start, 0.25)
         worst = max(worst, (one - split).abs().max().item())
     assert worst < 1e-5
-    kb, _, first, n = router.local.buf[0]
+    kb, _, first, n = window.buf[0]
     assert first > 0 and n <= kb.shape[1]  # the window moved on and was compacted
