@@ -433,6 +433,35 @@ def bench_cache(contexts: Annotated[str, typer.Option(
     cache.main(_lengths(contexts), as_json)
 
 
+@bench_app.command("e2e")
+def bench_e2e(contexts: Annotated[str, typer.Option(
+                  help="Context lengths, comma-separated (K and M suffixes allowed).")]
+              = "4K,16K,32K,64K",
+              new_tokens: Annotated[int, typer.Option(
+                  min=2, help="Tokens decoded per run (EOS does not stop it).")] = 64,
+              runtimes: Annotated[str, typer.Option(
+                  help="Runtimes, comma-separated: ktlong-default, ktlong-dense, transformers, "
+                       "llamacpp (flash attention on and off; needs the peers extra).")]
+              = "ktlong-default,ktlong-dense,transformers,llamacpp",
+              repeats: Annotated[int, typer.Option(
+                  min=1, help="Interleaved rounds; medians are reported.")] = 1,
+              png: Annotated[Path | None, typer.Option(
+                  metavar="FILE", show_default=False,
+                  help="Also draw decode tok/s against context (needs matplotlib).")] = None,
+              threads: Annotated[int, typer.Option(
+                  "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+              as_json: JsonOpt = False) -> None:
+    """Prefill, decode and peak RSS on one random Llama: ktlong vs transformers and llama.cpp."""
+    from ktlong.bench import e2e
+
+    names = [r.strip() for r in runtimes.split(",") if r.strip()]
+    command = (f"ktlong bench e2e --contexts {contexts} --new-tokens {new_tokens} "
+               f"--runtimes {','.join(names)}{f' --repeats {repeats}' if repeats > 1 else ''}"
+               f"{f' --threads {threads}' if threads else ''}")
+    e2e.main(_lengths(contexts), new_tokens, threads, as_json, png, names, repeats,
+             command=command)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app; errors raised outside a command get the same report."""
     try:

@@ -288,6 +288,23 @@ class LoadedModel:
     eos_ids: tuple[int, ...]
 
 
+def _complete_gguf_tokenizer(tokenizer: Any, path: str) -> None:
+    """Chat template and BOS/EOS/PAD from the GGUF's own metadata where transformers left
+    them unset (a template's `{{ bos_token }}` would otherwise render as nothing)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path, "r")
+    field_ = reader.get_field("tokenizer.chat_template")
+    if field_ is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = field_.contents()
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    for attr, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "padding_token_id")):
+        f = reader.get_field(f"tokenizer.ggml.{key}")
+        if tokens is not None and f is not None and getattr(tokenizer, attr) is None:
+            setattr(tokenizer, attr, tokens.contents(int(f.contents())))
+
+
 def pick_device(name: str = "AUTO") -> Any:
     import torch
 
@@ -350,12 +367,8 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     except (OSError, ValueError) as e:
         raise KtlongError(f"could not load {spec.path}: {str(e).splitlines()[0]}") from None
-    if spec.format == "gguf" and not getattr(tokenizer, "chat_template", None):
-        import gguf
-
-        field_ = gguf.GGUFReader(spec.path, "r").get_field("tokenizer.chat_template")
-        if field_ is not None:
-            tokenizer.chat_template = field_.contents()
+    if spec.format == "gguf":
+        _complete_gguf_tokenizer(tokenizer, spec.path)
     model.eval().requires_grad_(False).to(dev)
     eos = getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())

@@ -212,7 +212,7 @@ def _fill(rng: random.Random, facts: list[Fact], n_tokens: int,
     words = 0
     while words < n_words:
         again = repeat_p and sentences and rng.random() < repeat_p
-        s = rng.choice(sentences) if again else filler_sentence(rng)
+        s = rng.choice(sentences[-4:]) if again else filler_sentence(rng)
         sentences.append(s)
         words += s.count(" ") + 1
     doc = _assemble(sentences, facts)

@@ -1,0 +1,336 @@
+"""`ktlong bench e2e`: end-to-end prefill and decode against transformers and llama.cpp.
+
+One random Llama (head_dim 128, GQA 16/4, few layers so 32K prefills in minutes on 2 cores) is
+written by the project's own code as an HF folder (float32 weights, the tokenizer trained here)
+and, for llama.cpp, as a GGUF F16 file. The prompt is tokenized once and the same ids are fed to
+every runtime. Each measurement runs in a fresh subprocess (so its peak RSS is its own); runtimes
+are interleaved per context and per repeat; medians are reported.
+
+Timing, the same for every runtime: prefill is the time to the first sampled token (one forward
+of the prompt); decode is the time from that token to the last, i.e. `new_tokens - 1` one-token
+forwards plus sampling, greedy, with EOS treated as an ordinary token (nobody stops early).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_SHAPE = dict(layers=2, hidden=1024, heads=16, kv_heads=4, head_dim=128, intermediate=2816)
+RUNTIMES = ("ktlong-default", "ktlong-dense", "transformers", "llamacpp")
+PEERS_HINT = "pip install 'ktlong[peers]' (llama-cpp-python builds from source)"
+
+
+def _llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# --- workers (one runtime, one context, in a fresh process) -----------------------------------
+def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int) -> dict:
+    import dataclasses
+
+    from ktlong.config import resolve_settings
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+
+    lm = load_model(model, device="CPU", dtype="float32")
+    lm = dataclasses.replace(lm, eos_ids=())  # EOS is an ordinary token: always decode `new`
+    st = resolve_settings(
+        profile, {"max_seq_len": len(ids) + new + 16, "threads_num": threads}
+    ).settings
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    warm = dataclasses.replace(  # compile every kernel the timed run uses (sparse path too)
+        st, max_seq_len=600, block_size=16, init_len=16, local_windows_len=64, second_select_num=4
+    )
+    w = Session(lm, warm)
+    w.prefill(ids[:512])
+    list(w.generate(Sampling(max_new_tokens=3)))
+    del w
+    session = Session(lm, st)
+    t0 = time.perf_counter()
+    session.prefill(ids)
+    out, stamps, share = [], [], 1.0
+    for step in session.generate(Sampling(max_new_tokens=new)):
+        stamps.append(time.perf_counter())
+        out.append(step.token_id)
+        share = step.stats.attended_share
+    return dict(
+        t0=t0, stamps=stamps, out=out, weights_bytes=weights,
+        kv_bytes=session.store.nbytes_used(), attended_share=share,
+    )
+
+
+def _run_transformers(model: str, ids: list[int], new: int, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor
+
+    torch.set_num_threads(threads)
+    stock = AutoModelForCausalLM.from_pretrained(
+        model, attn_implementation="sdpa", dtype=torch.float32
+    ).eval()
+    stock.generation_config.eos_token_id = None  # EOS is an ordinary token
+    weights = sum(p.numel() * p.element_size() for p in stock.parameters())
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):  # called once per new token, right after its forward
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            stamps.append(time.perf_counter())
+            return scores
+
+    cache = DynamicCache()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        seq = stock.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+            pad_token_id=0, past_key_values=cache, logits_processor=[Stamp()],
+        )
+    cfg = stock.config
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * (len(ids) + new)
+    return dict(
+        t0=t0, stamps=stamps, out=seq[0, len(ids):].tolist(), weights_bytes=weights, kv_bytes=kv,
+    )
+
+
+def _run_llamacpp(
+    gguf: str, model: str, ids: list[int], new: int, threads: int, flash: bool
+) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=gguf, n_ctx=len(ids) + new + 16, n_batch=512, n_threads=threads,
+        n_threads_batch=threads, flash_attn=flash, n_gpu_layers=0, verbose=False,
+    )
+    stamps: list[float] = []
+    out: list[int] = []
+    t0 = time.perf_counter()
+    # generate() never stops by itself (EOS handling lives in create_completion); greedy via top_k 1
+    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        stamps.append(time.perf_counter())
+        out.append(int(tok))
+        if len(out) == new:
+            break
+    cfg = json.loads((Path(model) / "config.json").read_text())  # F16 KV: 2 bytes per value
+    kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    return dict(
+        t0=t0, stamps=stamps, out=out, weights_bytes=Path(gguf).stat().st_size,
+        kv_bytes=kv * (len(ids) + new),
+    )
+
+
+def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, threads: int) -> dict:
+    ids = json.loads(Path(ids_file).read_text())
+    # the process's own footprint before any weights: interpreter, torch, transformers' Llama code
+    # (and ktlong's kernels for ktlong), so peak RSS - baseline is what the runtime itself adds
+    import torch  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    if runtime.startswith("ktlong-"):
+        import ktlong.engine  # noqa: F401
+        import ktlong.kernels  # noqa: F401
+    elif runtime.startswith("llamacpp"):
+        import llama_cpp  # noqa: F401
+    baseline = _rss()
+    if runtime.startswith("ktlong-"):
+        r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads)
+    elif runtime == "transformers":
+        r = _run_transformers(model, ids, new, threads)
+    elif runtime.startswith("llamacpp"):
+        r = _run_llamacpp(gguf, model, ids, new, threads, flash=runtime == "llamacpp-fa")
+    else:
+        raise ValueError(f"unknown runtime {runtime}")
+    stamps, n = r.pop("stamps"), len(ids)
+    prefill_s = stamps[0] - r.pop("t0")
+    decode_s = stamps[-1] - stamps[0]
+    return dict(
+        runtime=runtime, context=n, status="ok", new_tokens=len(r["out"]),
+        prefill_s=prefill_s, prefill_tok_s=n / prefill_s,
+        decode_s=decode_s, decode_tok_s=(len(stamps) - 1) / decode_s if decode_s > 0 else 0.0,
+        peak_rss_bytes=_rss(), baseline_rss_bytes=baseline, **r,
+    )
+
+
+# --- driver ------------------------------------------------------------------------------------
+def _expand(runtimes: list[str], have_llamacpp: bool) -> list[str]:
+    out = []
+    for r in runtimes:
+        if r not in RUNTIMES:
+            from ktlong.errors import KtlongError
+
+            raise KtlongError(f"--runtimes: unknown runtime {r!r}", hint=f"choose from {RUNTIMES}")
+        if r == "llamacpp":
+            out += ["llamacpp-fa", "llamacpp-nofa"] if have_llamacpp else []
+        else:
+            out.append(r)
+    return out
+
+
+def _median_row(rows: list[dict]) -> dict:
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[0])
+    for key in ("prefill_s", "prefill_tok_s", "decode_s", "decode_tok_s", "peak_rss_bytes",
+                "baseline_rss_bytes"):
+        out[key] = statistics.median(r[key] for r in rows)
+    out["repeats"] = len(rows)
+    return out
+
+
+def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
+        repeats: int = 1, shape: dict[str, int] | None = None,
+        log: Any = None) -> dict[str, Any]:
+    """Measure every runtime at every context; returns {threads, model, rows}."""
+    from transformers import AutoTokenizer
+
+    from ktlong.tinymodel import filler_text, make_model, write_gguf
+
+    shape = dict(shape or BENCH_SHAPE)
+    threads = threads or os.cpu_count() or 1
+    have_llamacpp = "llamacpp" in runtimes and _llamacpp_available()
+    names = _expand(runtimes, have_llamacpp)
+    tmp = tempfile.TemporaryDirectory(prefix="ktlong-e2e-")
+    root = Path(tmp.name)
+    hf = make_model(
+        root / "hf", "llama", max_positions=2 * (max(contexts) + new_tokens + 16), **shape
+    )
+    gguf = root / "model-f16.gguf"
+    if have_llamacpp:
+        write_gguf(hf, gguf, "F16")
+    tok = AutoTokenizer.from_pretrained(hf)
+    ids_files = {}
+    for n in contexts:  # tokenize once; every runtime is fed these ids
+        words = n
+        while len(ids := tok(filler_text(words, seed=0))["input_ids"]) < n:
+            words *= 2
+        ids_files[n] = root / f"ids-{n}.json"
+        ids_files[n].write_text(json.dumps(ids[:n]))
+    raw: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(repeats):
+        for n in contexts:
+            for name in names:
+                if log:
+                    log(f"{name} at {n:,} tokens")
+                proc = subprocess.run(
+                    [sys.executable, "-m", "ktlong.bench.e2e", name, str(hf), str(gguf),
+                     str(ids_files[n]), str(new_tokens), str(threads)],
+                    capture_output=True, text=True,
+                )
+                if proc.returncode != 0:
+                    err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                    raise RuntimeError(f"{name} at {n}: {err}")
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                raw.setdefault((name, n), []).append(row)
+    rows = []
+    for n in contexts:
+        ref = raw.get(("transformers", n), [{}])[0].get("out")
+        for name in names:
+            row = _median_row(raw[(name, n)])
+            if ref is not None and name != "transformers":
+                same = 0
+                for a, b in zip(row["out"], ref, strict=False):
+                    if a != b:
+                        break
+                    same += 1
+                row["same_ids_as_transformers"] = same
+            rows.append(row)
+        if "llamacpp" in runtimes and not have_llamacpp:
+            rows.append(dict(runtime="llamacpp", context=n, status="not installed",
+                             note=PEERS_HINT))
+    tmp.cleanup()
+    return {"threads": threads, "new_tokens": new_tokens, "model": shape, "rows": rows}
+
+
+def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: bool = False,
+         png: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
+         shape: dict[str, int] | None = None, command: str = "") -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    if png is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from ktlong.errors import KtlongError
+
+            raise KtlongError("--png needs matplotlib", hint="pip install 'ktlong[plot]'") from None
+    log = None if as_json else (lambda m: console.log(m))
+    data = run(sorted(contexts), new_tokens, threads, list(runtimes or RUNTIMES), repeats, shape,
+               log)
+    if png is not None:
+        _plot(data, png, command)
+    if as_json:
+        print(json.dumps(data))
+        return
+    table = Table(title=f"end to end, {data['threads']} threads, {new_tokens} new tokens, "
+                        f"random Llama {data['model']}")
+    for col in ("context", "runtime", "prefill tok/s", "decode tok/s", "peak RSS (GB)",
+                "RSS - baseline (GB)", "weights+KV (GB)", "blocks read", "same ids"):
+        table.add_column(col, justify="right")
+    for r in data["rows"]:
+        if r["status"] != "ok":
+            table.add_row(f"{r['context']:,}", r["runtime"], r["status"], *[""] * 6)
+            continue
+        wk = r["weights_bytes"] + (r["kv_bytes"] or 0)
+        share = r.get("attended_share")
+        same = r.get("same_ids_as_transformers")
+        table.add_row(
+            f"{r['context']:,}", r["runtime"], f"{r['prefill_tok_s']:.0f}",
+            f"{r['decode_tok_s']:.1f}", f"{r['peak_rss_bytes'] / 1e9:.2f}",
+            f"{(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / 1e9:.2f}", f"{wk / 1e9:.2f}",
+            "" if share is None else f"{share:.0%}",
+            "ref" if r["runtime"] == "transformers" else
+            ("" if same is None else f"{same}/{r['new_tokens']}"),
+        )
+    Console().print(table)
+    if any(r["status"] == "not installed" for r in data["rows"]):
+        Console().print(f"llama.cpp: `import llama_cpp` failed; {escape(PEERS_HINT)}")
+
+
+def _plot(data: dict[str, Any], png: Path, command: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in data["rows"]:
+        if r["status"] == "ok":
+            by.setdefault(r["runtime"], []).append((r["context"], r["decode_tok_s"]))
+    for name, pts in by.items():
+        xs, ys = zip(*sorted(pts), strict=True)
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"decode speed vs context, {data['threads']} threads", fontsize=10)
+    if command:
+        fig.text(0.01, 0.01, command, fontsize=7, family="monospace")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # a worker: python -m ktlong.bench.e2e RUNTIME HF GGUF IDS NEW THREADS
+    a = sys.argv[1:]
+    print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]))))

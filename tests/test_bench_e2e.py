@@ -1,0 +1,40 @@
+"""`ktlong bench e2e` at a tiny context: JSON rows have the documented shape, and ktlong (dense
+profile) and transformers, fed the same prompt ids, generate the same greedy token ids."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ktlong.bench import e2e
+
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+
+
+def test_bench_e2e_json(capsys: pytest.CaptureFixture[str]) -> None:
+    e2e.main([512], new_tokens=4, threads=1, as_json=True,
+             runtimes=["ktlong-dense", "transformers", "llamacpp"], shape=TINY)
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == TINY and data["threads"] == 1 and data["new_tokens"] == 4
+    rows = {r["runtime"]: r for r in data["rows"]}
+    for name in ("ktlong-dense", "transformers"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["context"] == 512 and r["new_tokens"] == 4
+        for key in ("prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s"):
+            assert isinstance(r[key], float) and r[key] > 0
+        assert r["peak_rss_bytes"] > r["weights_bytes"] > 0 and r["kv_bytes"] > 0
+        assert len(r["out"]) == 4
+    assert rows["ktlong-dense"]["out"] == rows["transformers"]["out"]
+    assert rows["ktlong-dense"]["same_ids_as_transformers"] == 4
+    assert rows["ktlong-dense"]["attended_share"] == 1.0
+    if "llamacpp" in rows:  # llama-cpp-python is an optional extra
+        assert rows["llamacpp"]["status"] == "not installed"
+    else:
+        assert {"llamacpp-fa", "llamacpp-nofa"} <= set(rows)
+
+
+def test_bench_e2e_unknown_runtime() -> None:
+    from ktlong.errors import KtlongError
+
+    with pytest.raises(KtlongError):
+        e2e.main([512], runtimes=["vllm"], shape=TINY)
