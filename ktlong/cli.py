@@ -227,6 +227,9 @@ def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str) -> tu
                "ask:", err=True)
     for q in d.questions:
         typer.echo(f"  {q}", err=True)
+    if model is None:
+        typer.echo("note: the built-in demo model answers in the right form but does not retrieve "
+                   "the facts yet; pass --model for a real one", err=True)
     return model or d.model, str(d.document)
 
 
