@@ -235,6 +235,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                     err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
                     raise RuntimeError(f"{name} at {n}: {err}")
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
+                if log:
+                    log(json.dumps({k: v for k, v in row.items() if k != "out"}))
                 raw.setdefault((name, n), []).append(row)
     rows = []
     for n in contexts:
@@ -260,8 +262,6 @@ def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: b
          png: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
          shape: dict[str, int] | None = None, command: str = "") -> None:
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     console = Console(stderr=True)
     if png is not None:
@@ -271,7 +271,7 @@ def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: b
             from ktlong.errors import KtlongError
 
             raise KtlongError("--png needs matplotlib", hint="pip install 'ktlong[plot]'") from None
-    log = None if as_json else (lambda m: console.log(m))
+    log = console.log  # progress on stderr, also under --json
     data = run(sorted(contexts), new_tokens, threads, list(runtimes or RUNTIMES), repeats, shape,
                log)
     if png is not None:
@@ -279,7 +279,16 @@ def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: b
     if as_json:
         print(json.dumps(data))
         return
-    table = Table(title=f"end to end, {data['threads']} threads, {new_tokens} new tokens, "
+    print_table(data)
+
+
+def print_table(data: dict[str, Any]) -> None:
+    """The terminal table of `run`'s result (also for a saved --json output)."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"end to end, {data['threads']} threads, {data['new_tokens']} new tokens, "
                         f"random Llama {data['model']}")
     for col in ("context", "runtime", "prefill tok/s", "decode tok/s", "peak RSS (GB)",
                 "RSS - baseline (GB)", "weights+KV (GB)", "blocks read", "same ids"):
@@ -319,6 +328,9 @@ def _plot(data: dict[str, Any], png: Path, command: str) -> None:
         xs, ys = zip(*sorted(pts), strict=True)
         ax.plot(xs, ys, marker="o", label=name)
     ax.set_xscale("log", base=2)
+    xs_all = sorted({r["context"] for r in data["rows"]})
+    ax.set_xticks(xs_all, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in xs_all])
+    ax.minorticks_off()
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode tok/s")
     ax.set_title(f"decode speed vs context, {data['threads']} threads", fontsize=10)
