@@ -429,11 +429,17 @@ def bench_accuracy(model: ModelOpt = None,
 def bench_cache(contexts: Annotated[str, typer.Option(
                     help="Context lengths, comma-separated (K and M suffixes allowed).")]
                 = "32768,131072",
+                rss_gb: Annotated[float, typer.Option(
+                    "--rss-gb", min=0.0, help="Instead: decode from a synthetic entry of this "
+                    "many GB and report peak RSS against its size.")] = 0.0,
                 as_json: JsonOpt = False) -> None:
     """Time to first token: prompt-cache hit against a fresh prefill; decode from mmap vs RAM."""
     from ktlong.bench import cache
 
-    cache.main(_lengths(contexts), as_json)
+    if rss_gb:
+        cache.rss_check(rss_gb, as_json)
+    else:
+        cache.main(_lengths(contexts), as_json)
 
 
 @bench_app.command("e2e")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import struct
 import time
@@ -138,6 +139,9 @@ def verify(path: Path, header: dict[str, Any], offset: int) -> float:
                     raise DamagedEntry("truncated")
                 crc, left = zlib.crc32(memoryview(buf)[:n], crc), left - n
             crcs.append(crc)
+        # leave the page cache as it was: otherwise every later fault on the map pulls in the
+        # cached neighbours of the block it needs (fault-around), and RSS tracks the file size
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     if crcs != [header["ids_crc"], *header["layer_crc"]]:
         raise DamagedEntry("checksum mismatch (the file was modified or damaged)")
     return time.perf_counter() - t0
@@ -177,6 +181,9 @@ def map_entry(
             tv.append(np.memmap(path, dtype, "r", o + _align(sz["rem"]), (H, rem, d)))
         o += 2 * _align(sz["rem"])
         tails.append((np.concatenate(tk, 1), np.concatenate(tv, 1)))  # [H, n - n_base*bs, d]
+    for arr in ks + vs:  # decode reads scattered blocks: no readahead around them
+        if isinstance(arr, np.memmap) and hasattr(arr._mmap, "madvise"):
+            arr._mmap.madvise(mmap.MADV_RANDOM)
     shape = StoreShape(L, H, d, bs, c["kv_type"], anchor_num)
     store = KVStore(shape, capacity, base=(ks, vs), base_anchors=anchors or None, nb_base=n_base)
     for layer, (tk_, tv_) in enumerate(tails):  # the last block(s) go to the writable tail

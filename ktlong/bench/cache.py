@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 BENCH_SHAPE = dict(layers=2, hidden=128, heads=8, kv_heads=2, head_dim=16, intermediate=256)
 
 
@@ -167,5 +169,91 @@ def main(contexts: list[int], as_json: bool) -> None:
     Console().print(t)
 
 
+
+RSS_SHAPE = dict(layers=2, hidden=256, heads=16, kv_heads=16, head_dim=16, intermediate=512)
+
+
+def _peak_rss(reset: bool = False) -> int:
+    """This process's peak RSS (VmHWM), optionally reset first: ru_maxrss would carry the
+    parent's high-water mark across fork + exec."""
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rss_worker(model: str, cache_dir: str, n: int) -> dict[str, Any]:
+    """Decode 32 tokens from a cache entry of `n` tokens; report peak RSS against its size."""
+    import dataclasses
+
+    from ktlong.config import Settings
+    from ktlong.engine import Sampling
+    from ktlong.model import load_model
+    from ktlong.promptcache import HEADER_ROOM, open_cache, open_document
+
+    _peak_rss(reset=True)
+    lm = load_model(model, device="CPU", dtype="float32")
+    st = dataclasses.replace(Settings(), kv_type="BF16", max_seq_len=n + 256, anchor_type="MEAN")
+    (entry,) = open_cache(st, Path(cache_dir)).entries()
+    ids = np.memmap(entry.path, np.int32, "r", HEADER_ROOM, (n,)).tolist()
+    before = _peak_rss()
+    t0 = time.perf_counter()
+    opened = open_document(lm, st, ids, cache_dir=Path(cache_dir))
+    steps = sum(1 for _ in opened.session.generate(Sampling(max_new_tokens=32)))
+    return {"source": opened.source, "entry_bytes": entry.size, "tokens": n,
+            "rss_before_bytes": before, "decode_s": time.perf_counter() - t0, "steps": steps,
+            "peak_rss_bytes": _peak_rss(),
+            "attended_share": opened.session.policy.attended_share()}
+
+
+def rss_check(gb: float, as_json: bool) -> None:
+    """Write a synthetic entry of about `gb` GB (random K, V: no prefill), then decode from it
+    in a fresh process: peak RSS should stay far below the entry's size."""
+    import dataclasses
+
+    from ktlong.config import Settings
+    from ktlong.engine import Session
+    from ktlong.model import load_model
+    from ktlong.promptcache import content_key, open_cache
+    from ktlong.tinymodel import make_model
+
+    with tempfile.TemporaryDirectory(prefix="ktlong-bench-") as tmp:
+        per_tok = 2 * RSS_SHAPE["layers"] * RSS_SHAPE["kv_heads"] * RSS_SHAPE["head_dim"] * 2
+        n = int(gb * 1e9 / per_tok) // 128 * 128
+        model = make_model(Path(tmp) / "model", "llama", max_positions=2 * n, **RSS_SHAPE)
+        lm = load_model(model, device="CPU", dtype="float32")
+        st = dataclasses.replace(Settings(), kv_type="BF16", max_seq_len=n + 256,
+                                 anchor_type="MEAN")
+        s = Session(lm, st)
+        rng = np.random.default_rng(0)
+        for layer in range(RSS_SHAPE["layers"]):  # random bf16 bits, block by block
+            for a in (s.store.k_tail[layer], s.store.v_tail[layer]):
+                for b in range(0, a.shape[1], 1024):
+                    x = rng.standard_normal(a[:, b:b + 1024].shape, dtype=np.float32)
+                    a[:, b:b + 1024] = (x.view(np.uint32) >> 16).astype(np.uint16)
+            s.store.lengths[layer] = n
+        s.tokens = rng.integers(10, lm.spec.vocab_size, n).tolist()
+        open_cache(st, Path(tmp) / "cache").store(s, content_key(lm.spec, st))
+        del s
+        out = subprocess.run([sys.executable, "-m", "ktlong.bench.cache", "rss", str(model),
+                              str(n), str(Path(tmp) / "cache")], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr.strip().splitlines()[-1])
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+    if as_json:
+        print(json.dumps(r))
+        return
+    print(f"entry {r['entry_bytes'] / 1e9:.2f} GB ({r['tokens']:,} tokens, {r['source']}); "
+          f"decoded {r['steps']} tokens in {r['decode_s']:.1f} s reading "
+          f"{100 * r['attended_share']:.1f}% of blocks; "
+          f"peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB "
+          f"({r['rss_before_bytes'] / 1e9:.2f} GB before opening the entry)")
+
+
 if __name__ == "__main__":  # a worker: python -m ktlong.bench.cache MODE MODEL N CACHE_DIR
-    print(json.dumps(_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+    if sys.argv[1] == "rss":
+        print(json.dumps(_rss_worker(sys.argv[2], sys.argv[4], int(sys.argv[3]))))
+    else:
+        print(json.dumps(_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])))
