@@ -76,7 +76,6 @@ class AttentionRouter:
         self.captured: dict[int, torch.Tensor] = {}  # layer -> [Hq, W, d] float32 (cpu)
         self._dev_layer = -1  # layer whose KV is mirrored on the device (CUDA prefill)
         self._dev_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._dev_len = 0
 
     def begin(self, sparse: bool, capture: int = 0, total: int = 0) -> None:
         """Start a forward over `total` new tokens."""

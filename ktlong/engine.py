@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,21 @@ class Step:
     token_id: int
     text: str  # new text this token completes (may be "" mid-character)
     stats: Stats = field(default_factory=Stats)
+
+
+ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they fit in this
+
+
+def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = None) -> None:
+    """Raise (one clear line) if `need` tokens do not fit in max_seq_len (or `capacity`)."""
+    cap = settings.max_seq_len if capacity is None else capacity
+    if need > cap:
+        per_tok = kv_bytes_per_token(spec, settings.kv_type)
+        raise KtlongError(
+            f"the prompt needs {need:,} tokens but max_seq_len is {cap:,}; "
+            f"{need:,} tokens need {gb(need * per_tok)} of KV cache",
+            hint="run `ktlong memcheck` to see what fits, then raise max_seq_len",
+        )
 
 
 def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> int:
@@ -108,14 +124,7 @@ class Session:
     # --- checks ------------------------------------------------------------------------------
     def check_fits(self, n_new: int) -> None:
         """Refuse, before any work, a prompt the store cannot hold (never truncate silently)."""
-        need = len(self.tokens) + n_new
-        if need > self.store.capacity:
-            per_tok = kv_bytes_per_token(self.lm.spec, self.settings.kv_type)
-            raise KtlongError(
-                f"the prompt needs {need:,} tokens but max_seq_len is {self.store.capacity:,}; "
-                f"{need:,} tokens need {gb(need * per_tok)} of KV cache",
-                hint="run `ktlong memcheck` to see what fits, then raise max_seq_len",
-            )
+        check_fits(self.lm.spec, self.settings, len(self.tokens) + n_new, self.store.capacity)
 
     # --- forward -----------------------------------------------------------------------------
     def _forward(
@@ -127,7 +136,7 @@ class Session:
         dev = lm.device
         start, n = len(self.tokens), len(ids)
         chunk = n if sparse and n == 1 else st.chunk_size
-        capture = max(st.preselect_window, 64) if n > 1 else 0
+        capture = st.preselect_window if n > 1 and self.policy.wants_votes() else 0
         self.router.begin(sparse=sparse, capture=min(capture, n), total=n)
         with torch.inference_mode():
             hidden = body.embed_tokens(torch.tensor(ids, device=dev))  # [n, hidden]
@@ -135,16 +144,18 @@ class Session:
                 hidden = hidden.cpu()  # only one chunk of activations on the device
             bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
             n_layers = len(body.layers)
+            # cos/sin depend only on positions: computed once per chunk when they are small
+            # (always in decode), else per layer rather than held for a 1M-token prompt
+            keep_rope = n * self.lm.spec.head_dim * 8 <= ROPE_CACHE_BYTES
+            rope: dict[int, Any] = {}
             for li, layer in enumerate(body.layers):
                 for c0, c1 in bounds:
                     h = hidden[c0:c1].to(dev).unsqueeze(0)  # [1, C, hidden]
                     pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
-                    h = layer(
-                        h,
-                        position_embeddings=body.rotary_emb(h, pos),
-                        position_ids=pos,
-                        ktlong=self.router,
-                    )
+                    emb = rope.get(c0) or body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
+                    if keep_rope:
+                        rope[c0] = emb
+                    h = layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
                     hidden[c0:c1] = h[0].to(hidden.device)
                     if progress is not None:
                         progress((li * n + c1) // n_layers, n)

@@ -109,10 +109,6 @@ class KVStore:
         """Tokens held by every layer (layers differ only in the middle of a prefill)."""
         return min(self.lengths)
 
-    def n_blocks(self, n_tokens: int | None = None) -> int:
-        n = self.length if n_tokens is None else n_tokens
-        return -(-n // self.shape.block_size)
-
     def nbytes_used(self) -> int:
         s = self.shape
         per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * KV_BYTES[s.kv_type]

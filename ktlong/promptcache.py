@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ktlong.config import Settings, ktlong_home
-from ktlong.engine import Progress, Session
+from ktlong.engine import Progress, Session, check_fits
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, from_storage, to_storage
 from ktlong.model import LoadedModel, ModelSpec
@@ -417,7 +417,7 @@ def open_document(
     with no entry, prefills and stores the result. A damaged or stale entry is reported in
     `Opened.note`, removed and recomputed. A failed write (disk full) costs the cache, not the chat.
     """
-    Session(lm, settings).check_fits(len(ids))
+    check_fits(lm.spec, settings, len(ids))
     if not use_cache:
         session = Session(lm, settings)
         session.prefill(ids, progress)

@@ -42,6 +42,10 @@ class SelectionPolicy:
         """Blocks one step reads at most: init + selected + local window + the partial block."""
         return self.n_init + self.s.second_select_num + self.s.local_windows_len // self.bs + 1
 
+    def wants_votes(self) -> bool:
+        """Whether `on_prefill_end` uses the prompt's last queries (DYNAMIC or preselection)."""
+        return not self.dense and (self.s.anchor_type == "DYNAMIC" or self.s.preselect_block)
+
     def sparse_for(self, n_tokens: int) -> bool:
         """Whether a context of `n_tokens` is read sparsely (else every block is cheaper/equal)."""
         return not self.dense and -(-n_tokens // self.bs) > self.budget_blocks()
