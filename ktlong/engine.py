@@ -111,6 +111,9 @@ class Session:
         self.store = store or KVStore(shape, settings.max_seq_len)
         self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
         self.policy = SelectionPolicy(settings, spec, self.store)
+        if self.store.mapped:  # room for a few steps' blocks before mapped pages are released
+            step = self.policy.budget_blocks() * self.store.block_bytes * spec.n_layers
+            self.store.map_cap = max(self.store.map_cap, 2 * step)
         local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
         self.router = AttentionRouter(self.store, self.policy, lm.device, local)
         self.stats = Stats()
@@ -157,6 +160,7 @@ class Session:
                         rope[c0] = emb
                     h = layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
                     hidden[c0:c1] = h[0].to(hidden.device)
+                    self.store.check_resident()
                     if progress is not None:
                         progress((li * n + c1) // n_layers, n)
             last = hidden if all_logits else hidden[-1:]

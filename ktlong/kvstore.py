@@ -10,6 +10,7 @@ No policy lives here: which blocks to read is `selection`'s business.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,9 @@ KV_TYPES = {
     "FP16": (np.uint16, torch.float16, 2),
 }
 KV_BYTES = {"FP32": 4, "BF16": 2, "FP16": 2}
+# resident bytes of a memory-mapped base before its pages are unmapped (at least this; the
+# engine raises it to two decode steps' reads so a step rarely re-faults its own blocks)
+MAP_CAP_MIN = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,15 @@ def from_storage(a: np.ndarray, kv_type: str) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.float32))  # always a copy (a may be read-only)
     _, tdtype, _ = KV_TYPES[kv_type]
     return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(tdtype).float()
+
+
+def _file_rss() -> int:
+    """Bytes of file-backed (and shared) pages resident in this process: /proc/self/statm."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[2]) * mmap.PAGESIZE
+    except OSError:  # no procfs (not Linux): never release early
+        return 0
 
 
 class KVStore:
@@ -102,6 +115,14 @@ class KVStore:
                 self.anchors[layer][:, : a.shape[1]] = a
                 self.n_anchored[layer] = a.shape[1]
         self.lengths = [self.nb_base * bs] * L  # tokens written, per layer
+        # a mapped base: pages a step reads (and their neighbours: the page cache works in
+        # large folios) stay mapped, and in RSS, until released; `check_resident` bounds them
+        maps = {id(a._mmap): a._mmap for a in self.k_base + self.v_base
+                if isinstance(a, np.memmap) and a._mmap is not None}
+        self._maps = list(maps.values())
+        self.block_bytes = 2 * H * bs * d * KV_BYTES[shape.kv_type]  # K + V, all heads
+        self.map_cap = MAP_CAP_MIN
+        self._file_rss0 = _file_rss() if self._maps else 0
 
     # --- sizes -------------------------------------------------------------------------------
     @property
@@ -140,6 +161,22 @@ class KVStore:
             self.lengths[layer] = min(self.lengths[layer], n_tokens)
             self.n_anchored[layer] = min(self.n_anchored[layer], full)
 
+    # --- a memory-mapped base: bounded residency ---------------------------------------------
+    @property
+    def mapped(self) -> bool:
+        return bool(self._maps)
+
+    def check_resident(self) -> None:
+        """Release the mapped pages once more than `map_cap` bytes of them are resident."""
+        if self._maps and _file_rss() - self._file_rss0 > self.map_cap:
+            self.release_mapped()
+
+    def release_mapped(self) -> None:
+        """Unmap the base's resident pages from this process (the OS page cache keeps them, so
+        re-reading one is a minor fault): RSS stays near one working set, not the file size."""
+        for m in self._maps:
+            m.madvise(mmap.MADV_DONTNEED)
+
     # --- reading -----------------------------------------------------------------------------
     def token_range(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens [start, end) as float32 tensors `[Hkv, end - start, d]` (copies)."""
@@ -156,6 +193,8 @@ class KVStore:
             parts_v.append(self.v_tail[layer].reshape(H, -1, d)[:, s : end - split])
         kt = [from_storage(p, self.shape.kv_type) for p in parts_k]
         vt = [from_storage(p, self.shape.kv_type) for p in parts_v]
+        if start < split:
+            self.check_resident()  # a dense sweep over the base reads it segment by segment
         if len(kt) == 1:
             return kt[0], vt[0]
         return torch.cat(kt, dim=1), torch.cat(vt, dim=1)

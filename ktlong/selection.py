@@ -140,6 +140,8 @@ class SelectionPolicy:
             kv_kind=self.store.kv_kind,
         )
         self.store.n_anchored[layer] = max(self.store.n_anchored[layer], last)
+        if first < self.store.nb_base and self.store.mapped:
+            self.store.release_mapped()  # a sweep over the mapped blocks: hand the pages back
 
     # --- prefill hooks -----------------------------------------------------------------------
     def on_prefill_end(self, captured: dict[int, torch.Tensor], n_tokens: int) -> None:
@@ -171,6 +173,8 @@ class SelectionPolicy:
                 self.scale,
                 self.store.kv_kind,
             )  # [Hkv, n]
+            if self.store.mapped:
+                self.store.release_mapped()  # the vote swept every mapped key of this layer
             if need_dyn:
                 first = self.store.n_anchored[layer]
                 self._anchors(layer, first, n_full, "DYNAMIC", votes)

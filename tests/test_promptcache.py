@@ -280,3 +280,40 @@ def test_extend_to_refuses_to_rewrite_the_mapped_prefix(lm, tmp_path):
     with pytest.raises(ValueError, match="read-only cached prefix"):
         hit.extend_to(changed)
     assert hit.tokens == ids  # nothing was cut or written
+
+
+def test_mapped_pages_are_released_past_the_cap(tmp_path):
+    """Reads through a mapped base stay resident (RSS) until released; the cap bounds them."""
+    from ktlong.kvstore import KVStore, StoreShape, _file_rss
+
+    H, nb, bs, d = 4, 512, 64, 64  # 16 MiB per array, uint16
+    path = tmp_path / "kv.bin"
+    rng = np.random.default_rng(0)
+    rng.integers(0, 1 << 15, 2 * H * nb * bs * d, dtype=np.uint16).tofile(path)
+
+    def sweep(cap: int) -> int:
+        k = np.memmap(path, np.uint16, "r", 0, (H, nb, bs, d))
+        v = np.memmap(path, np.uint16, "r", k.nbytes, (H, nb, bs, d))
+        store = KVStore(StoreShape(1, H, d, bs, "BF16", 1), nb * bs + 64, base=([k], [v]))
+        assert store.mapped
+        store.map_cap = cap
+        grew = 0
+        for t0 in range(0, nb * bs, 2048):  # a dense sweep, segment by segment
+            store.token_range(0, t0, t0 + 2048)
+            grew = max(grew, _file_rss() - store._file_rss0)
+        return grew
+
+    total = 2 * H * nb * bs * d * 2
+    assert sweep(1 << 62) > total // 2  # left mapped: RSS follows the file
+    assert sweep(4 << 20) <= 4 << 20  # bounded: checked after each read
+
+
+def test_decoding_with_released_pages_equals_the_fresh_prefill(lm, tmp_path):
+    st = settings(kv_type="BF16", anchor_type="MEAN")
+    ids = _ids(lm, 1500)
+    first = open_document(lm, st, ids, cache_dir=tmp_path)
+    fresh = _answer(first.session)
+    again = open_document(lm, st, ids, cache_dir=tmp_path)
+    assert again.source == "cache"
+    again.session.store.map_cap = 0  # release after every layer of every step
+    assert _answer(again.session) == fresh
