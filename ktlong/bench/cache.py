@@ -7,7 +7,6 @@ really starts cold: new process, model loaded, entry checked and mapped.
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ktlong.bench.rss import peak_rss
 
 BENCH_SHAPE = dict(layers=2, hidden=128, heads=8, kv_heads=2, head_dim=16, intermediate=256)
 
@@ -56,7 +57,7 @@ def _worker(mode: str, model: str, n: int, cache_dir: str) -> dict[str, Any]:
         "context": n,
         "ttft_s": ttft,
         "verify_s": opened.verify_s,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss(),
     }
     if opened.source == "cache":  # decode A/B: the same entry mapped vs copied into RAM
         out.update(_decode_ab(opened.session, lm, st))
@@ -173,17 +174,6 @@ def main(contexts: list[int], as_json: bool) -> None:
 RSS_SHAPE = dict(layers=2, hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2048)
 
 
-def _peak_rss(reset: bool = False) -> int:
-    """This process's peak RSS (VmHWM), optionally reset first: ru_maxrss would carry the
-    parent's high-water mark across fork + exec."""
-    if reset:
-        Path("/proc/self/clear_refs").write_text("5")
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _rss_worker(model: str, cache_dir: str, n: int) -> dict[str, Any]:
     """Decode 32 tokens from a cache entry of `n` tokens, three times from the same state: with
     the page cache cold (the blocks come from disk), then warm with the mapped pages bounded
@@ -195,12 +185,12 @@ def _rss_worker(model: str, cache_dir: str, n: int) -> dict[str, Any]:
     from ktlong.model import load_model
     from ktlong.promptcache import HEADER_ROOM, open_cache, open_document
 
-    _peak_rss(reset=True)
+    peak_rss(reset=True)
     lm = load_model(model, device="CPU", dtype="float32")
     st = dataclasses.replace(Settings(), kv_type="BF16", max_seq_len=n + 256, anchor_type="MEAN")
     (entry,) = open_cache(st, Path(cache_dir)).entries()
     ids = np.memmap(entry.path, np.int32, "r", HEADER_ROOM, (n,)).tolist()
-    before = _peak_rss()
+    before = peak_rss()
     t0 = time.perf_counter()
     opened = open_document(lm, st, ids, cache_dir=Path(cache_dir))
     out: dict[str, Any] = {"source": opened.source, "entry_bytes": entry.size, "tokens": n,
@@ -211,11 +201,11 @@ def _rss_worker(model: str, cache_dir: str, n: int) -> dict[str, Any]:
         s.prefill([ids[-1]])
         s.store.release_mapped()
         s.store.map_cap = c
-        _peak_rss(reset=True)
+        peak_rss(reset=True)
         t = time.perf_counter()
         steps = sum(1 for _ in s.generate(Sampling(max_new_tokens=32)))
         out[mode] = {"decode_s": time.perf_counter() - t, "steps": steps,
-                     "peak_rss_bytes": _peak_rss()}
+                     "peak_rss_bytes": peak_rss()}
     out["attended_share"] = s.policy.attended_share()
     out["map_cap_bytes"] = cap
     return out

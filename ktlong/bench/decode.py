@@ -2,13 +2,14 @@
 
 InternLM2.5-7B shapes (32 query heads, 8 KV heads, head_dim 128, BF16 KV) and the default profile's
 budget: block 128, init 128 tokens, local window 4096, 96 selected blocks chosen by scoring one
-BF16 anchor per block (SHARED, as the store keeps them); scoring and top-k are inside the sparse time. Dense is timed by every
-exact CPU path here (this kernel over all blocks, torch grouped matmul, torch SDPA) and the best is
-reported. The KV (4.3 GB at 1M) is allocated once and its prefixes serve the shorter contexts.
-Each round times every kernel path once, interleaved with a sweep that measures the machine's
-streaming read bandwidth, each after a cache flush (a real decode reads 32 layers of KV, so none of
-it is cache-resident); medians over the rounds are reported, so a burst of background load hits
-the sparse, dense and bandwidth figures alike. Torch paths, far slower, report their best run.
+BF16 anchor per block (SHARED; BF16 as the store keeps them); scoring and top-k are inside the
+sparse time. Dense is timed by every exact CPU path here (this kernel over all blocks, torch
+grouped matmul, torch SDPA) and the best is reported. The KV (4.3 GB at 1M) is allocated once and
+its prefixes serve the shorter contexts. Each round times every kernel path once, interleaved with
+a sweep that measures the machine's streaming read bandwidth, each after a cache flush (a real
+decode reads 32 layers of KV, so none of it is cache-resident); medians over the rounds are
+reported, so a burst of background load hits the sparse, dense and bandwidth figures alike. Torch
+paths, far slower, report their best run.
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """`ktlong bench e2e`: end-to-end prefill and decode against transformers and llama.cpp.
 
-One random Llama (head_dim 128, GQA 16/4, few layers so 32K prefills in minutes on 2 cores) is
-written by the project's own code as an HF folder (float32 weights, the tokenizer trained here)
-and, for llama.cpp, as a GGUF F16 file. The prompt is tokenized once and the same ids are fed to
-every runtime. Each measurement runs in a fresh subprocess (so its peak RSS is its own); runtimes
-are interleaved per context and per repeat; medians are reported.
+One random Llama (BENCH_SHAPE) is written by the project's own code as an HF folder (float32
+weights, the tokenizer trained here) and, for llama.cpp, as a GGUF F16 file. The prompt is
+tokenized once and the same ids are fed to every runtime. Each measurement runs in a fresh
+subprocess (so its peak RSS is its own); runtimes are interleaved per context and per repeat;
+medians are reported.
 
-Timing, the same for every runtime: prefill is the time to the first sampled token (one forward
-of the prompt); decode is the time from that token to the last, i.e. `new_tokens - 1` one-token
+Timing, the same for every runtime: prefill is the time to the first sampled token (one forward of
+the prompt); decode is the time from that token to the last, i.e. `new_tokens - 1` one-token
 forwards plus sampling, greedy, with EOS treated as an ordinary token (nobody stops early).
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH_SHAPE = dict(layers=2, hidden=1024, heads=16, kv_heads=4, head_dim=128, intermediate=2816)
+from ktlong.bench.rss import peak_rss
+
+# A 1B-class layer (TinyLlama's width, head_dim 128, GQA 16/4): per layer, weights and the KV a
+# decode step reads stand in the proportion of real models; two layers so 64K prefills in minutes.
+BENCH_SHAPE = dict(layers=2, hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
 RUNTIMES = ("ktlong-default", "ktlong-dense", "transformers", "llamacpp")
 PEERS_HINT = "pip install 'ktlong[peers]' (llama-cpp-python builds from source)"
 
@@ -37,8 +40,6 @@ def _llamacpp_available() -> bool:
     return True
 
 
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --- workers (one runtime, one context, in a fresh process) -----------------------------------
@@ -146,7 +147,7 @@ def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, thread
         import ktlong.kernels  # noqa: F401
     elif runtime.startswith("llamacpp"):
         import llama_cpp  # noqa: F401
-    baseline = _rss()
+    baseline = peak_rss(reset=True)
     if runtime.startswith("ktlong-"):
         r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads)
     elif runtime == "transformers":
@@ -162,7 +163,7 @@ def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, thread
         runtime=runtime, context=n, status="ok", new_tokens=len(r["out"]),
         prefill_s=prefill_s, prefill_tok_s=n / prefill_s,
         decode_s=decode_s, decode_tok_s=(len(stamps) - 1) / decode_s if decode_s > 0 else 0.0,
-        peak_rss_bytes=_rss(), baseline_rss_bytes=baseline, **r,
+        peak_rss_bytes=peak_rss(), baseline_rss_bytes=baseline, **r,
     )
 
 

@@ -7,13 +7,14 @@ per context length. The model is a small random Llama built locally (no download
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ktlong.bench.rss import peak_rss
 
 BENCH_SHAPE = dict(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1408)
 
@@ -52,7 +53,7 @@ def _worker(runtime: str, model: str, n: int, threads: int) -> dict[str, Any]:
         with torch.inference_mode():
             stock(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
     dt = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = peak_rss()
     return {
         "runtime": runtime,
         "context": n,
