@@ -9,6 +9,9 @@ element by element under that schedule.
 """
 from __future__ import annotations
 
+import os
+import time
+
 import numba
 
 _threads = 0  # 0 = all cores
@@ -26,6 +29,58 @@ def configure_threads(n: int) -> int:
         return _threads
     torch.set_num_threads(_threads)
     return _threads
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_prev: tuple[int, int, float] | None = None  # the last snapshot: idle, total ticks; own seconds
+
+
+def _snapshot() -> tuple[int, int, float]:
+    """(idle, total) clock ticks of all CPUs since boot (/proc/stat), and this process's CPU
+    seconds (all its threads)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait ...
+    t = os.times()
+    return v[3] + v[4], sum(v), t.user + t.system
+
+
+def idle_cores(interval: float = 0.1) -> float:
+    """CPUs not used by other processes since the last call (this process's own work counts as
+    free: it is ours to share out), or over the next `interval` seconds when the last call is
+    less than ~50 ms old. Any other work counts as busy, niced work included: under autogroup
+    scheduling a niced job in another session still takes its share of a core. All usable
+    cores where /proc/stat is missing."""
+    global _prev
+    cores = usable_cores()
+    try:
+        cur = _snapshot()
+        base = _prev
+        if base is None or cur[1] - base[1] < 0.05 * _CLK_TCK * (os.cpu_count() or 1):
+            time.sleep(interval)
+            base, cur = cur, _snapshot()
+    except (OSError, ValueError):
+        return float(cores)
+    _prev = cur
+    total = cur[1] - base[1]
+    if total <= 0:
+        return float(cores)
+    free = cur[0] - base[0] + (cur[2] - base[2]) * _CLK_TCK
+    return max(0.0, min(float(cores), (os.cpu_count() or cores) * free / total))
+
+
+def auto_threads() -> int:
+    """Threads for `threads_num: 0`: the idle cores, rounded, at least 1. A parallel region is
+    as slow as its slowest thread, so a thread on a core another job holds costs far more than
+    it brings (a 2-core machine with one busy core decodes ~4x slower on 2 threads than on 1)."""
+    return max(1, min(usable_cores(), int(idle_cores() + 0.5)))
 
 
 def use_threads() -> int:

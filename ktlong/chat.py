@@ -71,6 +71,7 @@ class Answer:
                "context_tokens": st.context_tokens if st else len(self.prompt_ids),
                "kv_bytes": st.kv_bytes if st else 0,
                "attended_share": round(st.attended_share, 4) if st else 1.0,
+               "threads": st.threads if st else 0,
                "document_source": self.document_source}
         if with_prompt_ids:
             out["prompt_ids"] = self.prompt_ids

@@ -41,7 +41,8 @@ KvTypeOpt = Annotated[str | None, typer.Option(
 DeviceOpt = Annotated[str | None, typer.Option(
     "--device", metavar="AUTO|CPU|CUDA", show_default=False, help="Where the model runs.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
-    "--threads", "-t", show_default=False, help="CPU threads for attention (0 = all cores).")]
+    "--threads", "-t", show_default=False,
+    help="CPU threads (0 = the cores idle when a prefill or an answer starts).")]
 
 
 def overrides(sets: list[str] | None = None, **flags: Any) -> dict[str, Any]:
@@ -458,7 +459,8 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                   metavar="FILE", show_default=False,
                   help="Also draw decode tok/s against context (needs matplotlib).")] = None,
               threads: Annotated[int, typer.Option(
-                  "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                  "--threads", "-t", min=0,
+                  help="CPU threads (0: ktlong takes the idle cores, the peers all cores).")] = 0,
               as_json: JsonOpt = False) -> None:
     """Prefill, decode and peak RSS on one random Llama: ktlong vs transformers and llama.cpp."""
     from ktlong.bench import e2e

@@ -69,7 +69,8 @@ class Settings:
     # runtime
     device: str = _f("enum", "AUTO", "runtime", "Where the model runs; AUTO uses CUDA if present",
                      choices=("AUTO", "CPU", "CUDA"))
-    threads_num: int = _f("int", 0, "runtime", "CPU threads for attention; 0 = all cores", 0)
+    threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
+                          "idle when a prefill or an answer starts", 0)
     # sparse attention
     attention: str = _f("enum", "SPARSE", "sparse attention", "SPARSE picks KV blocks per step; "
                         "DENSE reads every token (exact)", choices=("SPARSE", "DENSE"))

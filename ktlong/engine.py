@@ -6,7 +6,6 @@ The engine prints nothing: `prefill` reports progress through a callback and `ge
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ class Stats:
     context_tokens: int = 0
     kv_bytes: int = 0
     attended_share: float = 1.0  # share of context blocks read per decode step (mean)
+    threads: int = 0  # CPU threads of the last prefill or generate
 
 
 @dataclass
@@ -118,11 +118,17 @@ class Session:
         self.router = AttentionRouter(self.store, self.policy, lm.device, local)
         self.stats = Stats()
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
-        threads = settings.threads_num or os.cpu_count() or 1
-        torch.set_num_threads(threads)
+        self.threads = 0  # in effect; set before each prefill and generate
+
+    def _set_threads(self) -> None:
+        """`threads_num`, or with 0 the cores idle right now (kernels/threads.py: a thread on
+        a busy core slows every parallel region down to that core's share)."""
         from ktlong import kernels
 
-        kernels.configure_threads(threads)
+        n = self.settings.threads_num or kernels.auto_threads()
+        if n != self.threads:
+            self.threads = kernels.configure_threads(n)  # Numba and torch
+        self.stats.threads = self.threads
 
     # --- checks ------------------------------------------------------------------------------
     def check_fits(self, n_new: int) -> None:
@@ -183,6 +189,7 @@ class Session:
         if not ids:
             raise KtlongError("nothing to prefill: the prompt is empty")
         self.check_fits(len(ids))
+        self._set_threads()
         t0 = time.perf_counter()
         sparse = bool(self.tokens) and self.policy.sparse_for(len(self.tokens) + len(ids))
         logits = self._forward(ids, progress, sparse=sparse, all_logits=all_logits)
@@ -194,6 +201,7 @@ class Session:
             prefill_tok_s=len(ids) / dt if dt > 0 else 0.0,
             context_tokens=len(self.tokens),
             kv_bytes=self.store.nbytes_used(),
+            threads=self.threads,
         )
         return logits
 
@@ -236,6 +244,7 @@ class Session:
             gen = torch.Generator()
             gen.manual_seed(sampling.seed if sampling.seed >= 0 else int(time.time_ns() % 2**31))
         tok = self.lm.tokenizer
+        self._set_threads()
         stats, out_ids, text = self.stats, [], ""
         stats.new_tokens, stats.decode_tok_s = 0, 0.0
         self.policy.reset_counters()

@@ -73,7 +73,7 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
         share = step.stats.attended_share
     return dict(
         t0=t0, stamps=stamps, out=out, weights_bytes=weights,
-        kv_bytes=session.store.nbytes_used(), attended_share=share,
+        kv_bytes=session.store.nbytes_used(), attended_share=share, threads=session.threads,
     )
 
 
@@ -202,7 +202,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
     from ktlong.tinymodel import filler_text, make_model, write_gguf
 
     shape = dict(shape or BENCH_SHAPE)
-    threads = threads or os.cpu_count() or 1
+    # 0: ktlong picks the idle cores itself (its default); the peers get every core
+    peer_threads = threads or os.cpu_count() or 1
     have_llamacpp = "llamacpp" in runtimes and _llamacpp_available()
     names = _expand(runtimes, have_llamacpp)
     tmp = tempfile.TemporaryDirectory(prefix="ktlong-e2e-")
@@ -229,7 +230,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                     log(f"{name} at {n:,} tokens")
                 proc = subprocess.run(
                     [sys.executable, "-m", "ktlong.bench.e2e", name, str(hf), str(gguf),
-                     str(ids_files[n]), str(new_tokens), str(threads)],
+                     str(ids_files[n]), str(new_tokens),
+                     str(threads if name.startswith("ktlong") else peer_threads)],
                     capture_output=True, text=True,
                 )
                 if proc.returncode != 0:
@@ -256,7 +258,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
             rows.append(dict(runtime="llamacpp", context=n, status="not installed",
                              note=PEERS_HINT))
     tmp.cleanup()
-    return {"threads": threads, "new_tokens": new_tokens, "model": shape, "rows": rows}
+    return {"threads": threads or f"{peer_threads} (ktlong: idle cores)",
+            "new_tokens": new_tokens, "model": shape, "rows": rows}
 
 
 def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: bool = False,
