@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 from typer.testing import CliRunner
@@ -107,10 +106,7 @@ def test_chat_demo_runs_end_to_end() -> None:
     assert r.exit_code == 0, r.output
     answer = json.loads(r.stdout.strip().splitlines()[-1])["answer"]
     assert "What is the pass key?" in r.stderr  # what to ask is printed
-    # the chat format was learned; the digits are not retrieved yet (issue 8 is open), so the
-    # answer is checked for form only: a five-digit key where the hidden one should be
-    assert re.fullmatch(r"The pass key is \d{5}\.?", answer.strip()), answer
-    assert len(key) == 5 and "does not retrieve" in r.stderr
+    assert answer.strip().rstrip(".") == f"The pass key is {key}"  # the hidden key, retrieved
 
 
 def test_chat_demo_refuses_a_prompt_file(tmp_path) -> None:

@@ -1,15 +1,23 @@
 """Train the built-in demo model: `python -m ktlong.demo.train --seed 0 [--out DIR]`.
 
 A small Llama (GQA: 4 query heads, 2 KV heads) learns to answer questions about facts hidden in
-filler documents (ktlong.demo.tasks), with the loss on the answers only. Documents are short
-(128-1024 tokens) so training fits a 2-core CPU in under an hour; length generalisation comes from
-the position ids: most documents get "position jumps" at a few sentence boundaries, so the
-distance between a fact and its question ranges up to 1M positions while every sentence, the
-question and the answer stay contiguous (local order is never disturbed, unlike fully random
-position ids). RoPE base 1e6 keeps low-frequency channels nearly still over those distances.
+filler documents (ktlong.demo.tasks), with the loss on the answers (plus a 0.2-weight next-token
+loss on the rest). Retrieval is learned by curriculum (STAGES): training starts on tiny documents
+(12-24 tokens) holding one number and a few questions, so most tokens of a batch are facts,
+questions and answers (hundreds of answer tokens per step) and attention has few places to look;
+then distractor numbers and filler are added, stage by stage, up to 1024-token documents. A stage
+ends when held-out answer-value accuracy at that stage reaches ADVANCE_ACC, or after STAGE_CAP
+steps; one batch in five revisits an earlier stage.
 
-Reproducible from `--seed`: data comes from per-sample seeds, the step count is fixed. Checkpoints
-(`--work DIR/ckpt.pt`) are written every `--save-every` steps; `--resume` continues one.
+Length generalisation comes from the position ids: documents of JUMP_FROM tokens or more often get
+"position jumps" at a few sentence boundaries, so the distance between a fact and its question
+ranges up to 1M positions while every sentence, the question and the answer stay contiguous (local
+order is never disturbed, unlike fully random position ids). RoPE base 1e6 keeps low-frequency
+channels nearly still over those distances.
+
+Reproducible from `--seed`: data comes from per-sample seeds and the step count is fixed; the stage
+switches depend on measured accuracy, so use the same `--threads` to reproduce a run bit for bit.
+Checkpoints (`--work DIR/ckpt.pt`) are written every `--save-every` steps; `--resume` continues one.
 The result is exported as an HF folder (fp16 safetensors, tokenizer, chat template) + a GGUF file.
 """
 from __future__ import annotations
@@ -35,12 +43,20 @@ CHAT_TEMPLATE = (
 )
 CONFIG = dict(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermediate=384,
               rope_theta=1e6, max_positions=1 << 20)
-LENGTHS = (128, 256, 512, 768, 1024)  # document tokens; batches share one length
-SHORT = (64, 96, 128, 192, 256)  # the first SHORT_SHARE of the steps: many short documents
-SHORT_SHARE = 0.35
+# Curriculum stages (max document tokens, max numbers in a document): retrieval is learned first
+# on tiny documents holding one number (pure copying), then distractors and filler are added. A
+# stage ends when the held-out answer-value accuracy at that stage reaches ADVANCE_ACC (measured
+# every EVAL_EVERY steps), so length grows once retrieval works at the shorter length, or after
+# STAGE_CAP steps (so every stage is reached within the step budget).
+STAGES = ((24, 1), (32, 2), (48, 3), (64, 5), (96, 8), (160, 10), (256, 12), (512, 12),
+          (1024, 12))
+JUMP_FROM = 256  # documents this long or longer get position jumps (length generalisation)
+ADVANCE_ACC = 0.7
+STAGE_CAP = 500
+EVAL_EVERY = 50
 REPEAT_P = 0.15  # filler sentences that repeat an earlier one: dense copy signal for the LM loss
 LM_WEIGHT = 0.2  # next-token loss on every other token, beside the answers' (weight 1)
-BATCH_TOKENS = 2560
+BATCH_TOKENS = 2048
 
 
 # --- tokenizer -----------------------------------------------------------------------------------
@@ -142,16 +158,35 @@ def position_ids(rng: random.Random, tok: Any, sample: tasks.Sample, n: int, doc
     return pos
 
 
-def make_batch(tok: Any, seed: int, step: int, length: int | None = None,
-               jump_p: float = 0.7, short: bool = False) -> tuple[torch.Tensor, ...]:
-    rng = random.Random(seed * 1_000_003 + step)
-    length = length or rng.choice(SHORT if short else LENGTHS)
-    per = max(1, BATCH_TOKENS // (length + 40))
-    rows = []
-    for _ in range(per):
-        s = tasks.make_sample(rng.randrange(2**31), length, repeat_p=REPEAT_P)
-        ids, mask, doc_len = encode(tok, s)
-        rows.append((ids, mask, position_ids(rng, tok, s, len(ids), doc_len, jump_p)))
+def dense_sample(seed: int, n_tokens: int, max_numbers: int,
+                 repeat_p: float = 0.0) -> tasks.Sample:
+    """A training document dense in facts: up to `max_numbers` numbers (a pass key and/or kv
+    records), 0-2 needles, and up to 4 questions; `n_tokens` is small at the start."""
+    rng = random.Random(seed)
+    n_num = rng.randint(1, max_numbers)
+    facts: list[tasks.Fact] = []
+    asked: list[tasks.Fact] = []
+    if rng.random() < (0.5 if n_num == 1 else 0.7):
+        f = tasks.passkey_fact(rng, rng.random())
+        facts.append(f)
+        asked.append(f)
+        n_num -= 1
+    recs = [tasks.kv_fact(rng, rng.random(), k) for k in rng.sample(tasks.KEYS, n_num)]
+    facts += recs
+    if recs:
+        asked += rng.sample(recs, rng.randint(1, min(3, len(recs))))
+    if rng.random() < 0.4:
+        needles = [tasks.needle_fact(rng, rng.random(), c)
+                   for c in rng.sample(tasks.CITIES, rng.randint(1, 2))]
+        facts += needles
+        asked.append(rng.choice(needles))
+    rng.shuffle(asked)
+    facts.sort(key=lambda f: f.depth)
+    return tasks.Sample(tasks._fill(rng, facts, n_tokens, None, repeat_p), facts, asked)
+
+
+def collate(tok: Any, rows: list[tuple[list[int], list[int], list[int]]],
+            ) -> tuple[torch.Tensor, ...]:
     n = max(len(r[0]) for r in rows)
     pad = tok.pad_token_id
     ids = torch.tensor([r[0] + [pad] * (n - len(r[0])) for r in rows])
@@ -159,6 +194,25 @@ def make_batch(tok: Any, seed: int, step: int, length: int | None = None,
     pos = torch.tensor([r[2] + list(range(r[2][-1] + 1, r[2][-1] + 1 + n - len(r[2])))
                         for r in rows])
     return ids, mask, pos  # right padding: causal attention never sees it
+
+
+def make_batch(tok: Any, seed: int, step: int, stage: int,
+               jump_p: float = 0.6) -> tuple[torch.Tensor, ...]:
+    """One batch at curriculum `stage` (1 batch in 5 revisits an earlier stage); lengths between
+    half the stage's maximum and the maximum, one length per batch."""
+    rng = random.Random(seed * 1_000_003 + step)
+    if stage and rng.random() < 0.2:
+        stage = rng.randrange(stage)
+    max_len, max_num = STAGES[stage]
+    length = rng.randint(max_len // 2, max_len)
+    jp = jump_p if length >= JUMP_FROM else 0.0
+    per = max(1, BATCH_TOKENS // (length + 60))
+    rows = []
+    for _ in range(per):
+        s = dense_sample(rng.randrange(2**31), length, max_num, repeat_p=REPEAT_P)
+        ids, mask, doc_len = encode(tok, s)
+        rows.append((ids, mask, position_ids(rng, tok, s, len(ids), doc_len, jp)))
+    return collate(tok, rows)
 
 
 def loss_fn(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
@@ -175,13 +229,33 @@ def loss_fn(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
     return ans_loss, lm_loss
 
 
+def _value_rows(tok: Any, sample: tasks.Sample, one_question: bool = True) -> list[tuple]:
+    """(ids, value mask, positions) per asked fact, each as the first question after the
+    document (as `bench accuracy` asks); the mask marks the tokens of the value only."""
+    conv = Conversation(tok, sample.document)
+    end = tok.convert_tokens_to_ids("<|end|>")
+    rows = []
+    for f in sample.asked:
+        p = conv.prompt_ids(f.question)
+        pre = f.answer[: f.answer.index(f.value)]
+        n_pre = len(tok(pre, add_special_tokens=False)["input_ids"])
+        ans = tok(f.answer, add_special_tokens=False)["input_ids"]
+        n_val = len(tok(pre + f.value, add_special_tokens=False)["input_ids"]) - n_pre
+        vm = [0] * n_pre + [1] * n_val + [0] * (len(ans) - n_pre - n_val)
+        ids = p + ans + [end]
+        rows.append((ids, [0] * len(p) + vm + [0], list(range(len(ids)))))
+    return rows
+
+
 @torch.no_grad()
-def quick_eval(model: Any, tok: Any, n: int = 16, length: int = 1024, seed: int = 99) -> float:
-    """Share of answer tokens predicted right (teacher forcing) on fresh documents, no jumps."""
+def value_accuracy(model: Any, tok: Any, samples: list[tasks.Sample]) -> float:
+    """Share of answer-value tokens (digits, needle words) predicted right, teacher forcing."""
     model.eval()
+    rows = [r for s in samples for r in _value_rows(tok, s)]
     right = total = 0
-    for i in range(n // 4):
-        ids, mask, pos = make_batch(tok, seed, 10_000 + i, length, jump_p=0.0)
+    per = max(1, 8192 // max(len(r[0]) for r in rows))
+    for b in range(0, len(rows), per):
+        ids, mask, pos = collate(tok, rows[b:b + per])
         h = model.model(input_ids=ids, position_ids=pos).last_hidden_state
         sel = mask[:, 1:].bool()
         pred = model.lm_head(h[:, :-1][sel]).argmax(-1)
@@ -189,6 +263,20 @@ def quick_eval(model: Any, tok: Any, n: int = 16, length: int = 1024, seed: int 
         total += int(sel.sum())
     model.train()
     return right / max(total, 1)
+
+
+def stage_eval(model: Any, tok: Any, stage: int, n: int = 24, seed: int = 99) -> float:
+    """Held-out value accuracy on documents of the stage's maximum length and numbers."""
+    max_len, max_num = STAGES[stage]
+    return value_accuracy(model, tok, [dense_sample(seed * 7919 + i, max_len, max_num)
+                                       for i in range(n)])
+
+
+def quick_eval(model: Any, tok: Any, n: int = 8, length: int = 1024, seed: int = 99) -> float:
+    """Value accuracy on `bench accuracy`-style documents (pass key, 4 kv records, a needle)."""
+    depths = {t: (0.2 + j / 3) % 1.0 for j, t in enumerate(tasks.TASKS)}
+    return value_accuracy(model, tok, [tasks.make_mixed(seed * 7919 + length + i, length, depths)
+                                       for i in range(n)])
 
 
 # --- export --------------------------------------------------------------------------------------
@@ -217,12 +305,12 @@ def export(model: Any, tok: Any, out: Path, gguf: bool = True) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1400)
+    ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)  # the shipped model: 1 thread
     ap.add_argument("--work", type=Path, default=Path("demo-train"))
     ap.add_argument("--out", type=Path, default=MODEL_DIR)
-    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--stop-after", type=int, default=0,
                     help="stop (and export) after this many steps; the schedule keeps --steps")
@@ -240,14 +328,14 @@ def main(argv: list[str] | None = None) -> None:
         t = max(0.0, (step - 0.7 * a.steps) / (0.3 * a.steps))  # stable, then decay
         return a.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
 
-    start, spent = 0, 0.0
+    start, spent, stage, since = 0, 0.0, 0, 0
     ckpt = a.work / "ckpt.pt"
     if a.resume and ckpt.exists():
         st = torch.load(ckpt, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        start, spent = st["step"], st["spent"]
-        print(f"resumed at step {start}", flush=True)
+        start, spent, stage, since = st["step"], st["spent"], st["stage"], st["since"]
+        print(f"resumed at step {start}, stage {stage}", flush=True)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M vocab {len(tok)} steps {a.steps}", flush=True)
     model.train()
@@ -256,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(start, end):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        ids, mask, pos = make_batch(tok, a.seed, step, short=step < SHORT_SHARE * a.steps)
+        ids, mask, pos = make_batch(tok, a.seed, step, stage)
         loss, lm_loss = loss_fn(model, ids, mask, pos, tok.pad_token_id)
         opt.zero_grad(set_to_none=True)
         (loss + LM_WEIGHT * lm_loss).backward()
@@ -265,14 +353,24 @@ def main(argv: list[str] | None = None) -> None:
         lv = float(loss.detach())
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         if step % 20 == 0:
-            print(f"step {step} len {ids.shape[1]} loss {lv:.3f} ema {ema:.3f} "
+            print(f"step {step} stage {stage} len {ids.shape[1]} loss {lv:.3f} ema {ema:.3f} "
                   f"lm {float(lm_loss.detach()):.2f} "
                   f"lr {lr_at(step):.2e} t {time.time() - t0:.0f}s", flush=True)
+        if (step + 1) % EVAL_EVERY == 0:
+            acc = stage_eval(model, tok, stage)
+            print(f"eval step {step + 1} stage {stage} {STAGES[stage]} value acc {acc:.3f} "
+                  f"t {time.time() - t0:.0f}s", flush=True)
+            done = acc >= ADVANCE_ACC or step + 1 - since >= STAGE_CAP
+            if done and stage + 1 < len(STAGES):
+                stage, since = stage + 1, step + 1
+                print(f"advance to stage {stage} {STAGES[stage]}", flush=True)
         if (step + 1) % a.save_every == 0 or step + 1 == end:
-            acc = quick_eval(model, tok)
-            print(f"eval step {step + 1} answer-token acc {acc:.3f}", flush=True)
+            for n_tok in (256, 1024):
+                print(f"eval step {step + 1} bench-style {n_tok} tokens value acc "
+                      f"{quick_eval(model, tok, length=n_tok):.3f}", flush=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
-                        "spent": time.time() - t0}, a.work / "ckpt.tmp")
+                        "spent": time.time() - t0, "stage": stage, "since": since},
+                       a.work / "ckpt.tmp")
             (a.work / "ckpt.tmp").replace(ckpt)
             export(model, tok, a.work / "latest", gguf=False)
     export(model, tok, a.out)
