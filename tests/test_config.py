@@ -21,7 +21,8 @@ INTERNALS_DEFAULTS = dict(
     token_step=1, layer_step=1, preselect_block=False, preselect_block_count=96,
     preselect_window=64, preselect_pool=7, gpu_local_window=True, max_new_tokens=512,
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
-PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval")
+PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval",
+            "small")
 
 
 def write_config(home: Path, text: str) -> Path:
