@@ -176,6 +176,8 @@ class KVStore:
         re-reading one is a minor fault): RSS stays near one working set, not the file size."""
         for m in self._maps:
             m.madvise(mmap.MADV_DONTNEED)
+        # what stays resident is other files (e.g. weights mapped since): the new zero
+        self._file_rss0 = _file_rss()
 
     # --- reading -----------------------------------------------------------------------------
     def token_range(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -308,6 +308,28 @@ def test_mapped_pages_are_released_past_the_cap(tmp_path):
     assert sweep(4 << 20) <= 4 << 20  # bounded: checked after each read
 
 
+def test_other_mapped_files_do_not_keep_releasing_the_store(tmp_path):
+    """Weights mapped after the store opened count once, not at every later check."""
+    from ktlong.kvstore import KVStore, StoreShape
+
+    H, nb, bs, d = 2, 64, 64, 64
+    kv = tmp_path / "kv.bin"
+    np.ones(2 * H * nb * bs * d, np.uint16).tofile(kv)
+    k = np.memmap(kv, np.uint16, "r", 0, (H, nb, bs, d))
+    v = np.memmap(kv, np.uint16, "r", k.nbytes, (H, nb, bs, d))
+    store = KVStore(StoreShape(1, H, d, bs, "BF16", 1), nb * bs + 64, base=([k], [v]))
+    store.map_cap = 1 << 20
+    weights = tmp_path / "weights.bin"
+    np.ones(16 << 20, np.uint8).tofile(weights)
+    w = np.memmap(weights, np.uint8, "r")
+    assert int(w[:: 4096].sum()) > 0  # 16 MB of another file now resident
+    released = []
+    store.release_mapped = lambda orig=store.release_mapped: (released.append(1), orig())
+    for _ in range(5):
+        store.token_range(0, 0, 64)
+    assert len(released) == 1  # once, then the weights are part of the baseline
+
+
 def test_decoding_with_released_pages_equals_the_fresh_prefill(lm, tmp_path):
     st = settings(kv_type="BF16", anchor_type="MEAN")
     ids = _ids(lm, 1500)
