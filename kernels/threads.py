@@ -41,6 +41,7 @@ def usable_cores() -> int:
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _prev: tuple[int, int, float] | None = None  # the last snapshot: idle, total ticks; own seconds
+_last = -1.0  # the last result
 
 
 def _snapshot() -> tuple[int, int, float]:
@@ -54,26 +55,29 @@ def _snapshot() -> tuple[int, int, float]:
 
 def idle_cores(interval: float = 0.1) -> float:
     """CPUs not used by other processes since the last call (this process's own work counts as
-    free: it is ours to share out), or over the next `interval` seconds when the last call is
-    less than ~50 ms old. Any other work counts as busy, niced work included: under autogroup
-    scheduling a niced job in another session still takes its share of a core. All usable
-    cores where /proc/stat is missing."""
-    global _prev
+    free: it is ours to share out). A call less than ~50 ms after the last one returns the last
+    result; the first call samples over `interval` seconds. Any other work counts as busy, niced
+    work included: under autogroup scheduling a niced job in another session still takes its
+    share of a core. All usable cores where /proc/stat is missing."""
+    global _prev, _last
     cores = usable_cores()
     try:
         cur = _snapshot()
         base = _prev
-        if base is None or cur[1] - base[1] < 0.05 * _CLK_TCK * (os.cpu_count() or 1):
+        if base is not None and cur[1] - base[1] < 0.05 * _CLK_TCK * (os.cpu_count() or 1):
+            return _last  # too soon to tell anything new (e.g. an answer right after its prompt)
+        if base is None:
             time.sleep(interval)
             base, cur = cur, _snapshot()
     except (OSError, ValueError):
         return float(cores)
-    _prev = cur
     total = cur[1] - base[1]
     if total <= 0:
         return float(cores)
+    _prev = cur
     free = cur[0] - base[0] + (cur[2] - base[2]) * _CLK_TCK
-    return max(0.0, min(float(cores), (os.cpu_count() or cores) * free / total))
+    _last = max(0.0, min(float(cores), (os.cpu_count() or cores) * free / total))
+    return _last
 
 
 def auto_threads() -> int:

@@ -223,10 +223,6 @@ def ktlong_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".ktlong"
 
 
-def config_path() -> Path:
-    return ktlong_home() / "config.yaml"
-
-
 def _builtin_profiles() -> dict[str, Any]:
     root = resources.files("ktlong.profiles")
     return {p.name[:-5]: p for p in root.iterdir() if p.name.endswith(".yaml")}

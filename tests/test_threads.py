@@ -22,7 +22,7 @@ def _restore_threads():
 
 def test_idle_cores_counts_other_work_as_busy_and_own_work_as_free(monkeypatch):
     # (idle, total ticks of all CPUs, own CPU seconds); 100 ticks a second, 4 CPUs
-    snaps = iter([(100, 1000, 0.0), (150, 1200, 0.0), (250, 1600, 1.0)])
+    snaps = iter([(100, 1000, 0.0), (150, 1200, 0.0), (250, 1600, 1.0), (251, 1610, 1.0)])
     monkeypatch.setattr(threads, "_snapshot", lambda: next(snaps))
     monkeypatch.setattr(threads, "_prev", None)
     monkeypatch.setattr(threads, "_CLK_TCK", 100)
@@ -32,6 +32,8 @@ def test_idle_cores_counts_other_work_as_busy_and_own_work_as_free(monkeypatch):
     assert threads.idle_cores() == pytest.approx(1.0)  # first call samples: 50 of 200 idle
     # next call: since the last one, 100 of 400 ticks idle, and 100 ticks were this process's
     assert threads.idle_cores() == pytest.approx(4 * (100 + 100) / 400)
+    # 10 ticks later (25 ms on 4 CPUs): too soon to measure, the last result stands
+    assert threads.idle_cores() == pytest.approx(2.0)
 
 
 def test_idle_cores_on_this_machine_is_within_the_usable_cores():
