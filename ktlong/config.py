@@ -64,8 +64,8 @@ class Settings:
                           "chat)", 1)
     kv_type: str = _f("enum", "BF16", "memory", "Precision of the stored K and V",
                       choices=_KV_TYPES)
-    chunk_size: int = _f("int", 4096, "memory", "Prefill chunk in tokens; bigger is faster and "
-                         "needs more device memory", 1)
+    chunk_size: int = _f("int", 0, "memory", "Prefill chunk in tokens; bigger needs more memory "
+                         "for activations; 0 = 4096 on CUDA, 512 on the CPU", 0)
     # runtime
     device: str = _f("enum", "AUTO", "runtime", "Where the model runs; AUTO uses CUDA if present",
                      choices=("AUTO", "CPU", "CUDA"))
@@ -285,12 +285,14 @@ class Resolved:
 
 
 def resolve_settings(profile: str | None = None,
-                     overrides: dict[str, Any] | None = None) -> Resolved:
+                     overrides: dict[str, Any] | None = None,
+                     config_file: bool = True) -> Resolved:
     """Merge defaults < config.yaml < profile < env < overrides, then check the result.
 
     Creates (or completes) `config.yaml` on the way. Overrides whose value is None are ignored.
+    `config_file=False` (benchmarks) leaves config.yaml out, so figures do not depend on edits.
     """
-    path = ensure_config()
+    path = ensure_config() if config_file else ktlong_home() / "config.yaml"
     values = {k: s.default for k, s in FIELDS.items()}
     sources = dict.fromkeys(FIELDS, "default")
 
@@ -298,7 +300,8 @@ def resolve_settings(profile: str | None = None,
         values.update(layer)
         sources.update(dict.fromkeys(layer, label))
 
-    apply(load_layer(configfile.read_text(path), str(path)), f"config:{path}")
+    if config_file:
+        apply(load_layer(configfile.read_text(path), str(path)), f"config:{path}")
     if profile:
         label, origin, text = profile_text(profile)
         apply(load_layer(text, origin), f"profile:{label}")

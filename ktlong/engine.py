@@ -1,4 +1,4 @@
-"""A chat session over one KV store: layer-major chunked prefill, then token-by-token decode.
+"""A chat session over one KV store: chunked prefill, then token-by-token decode.
 
 The engine prints nothing: `prefill` reports progress through a callback and `generate` yields a
 `Step` per token with running stats (mlx-lm's stream_generate shape).
@@ -17,6 +17,7 @@ from ktlong.attention import AttentionRouter
 from ktlong.config import Settings
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KVStore, StoreShape
+from ktlong.memory import limit_heap_retention
 from ktlong.memory import gb, kv_bytes_per_token
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
@@ -58,6 +59,7 @@ class Step:
 
 
 ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they fit in this
+CHUNK_AUTO = {False: 512, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
 
 
 def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = None) -> None:
@@ -99,6 +101,7 @@ class Session:
         tokens: list[int] | None = None,
     ) -> None:
         self.lm, self.settings = lm, settings
+        limit_heap_retention()
         spec = lm.spec
         shape = StoreShape(
             spec.n_layers,
@@ -139,42 +142,70 @@ class Session:
     def _forward(
         self, ids: list[int], progress: Progress | None, sparse: bool, all_logits: bool = False
     ) -> torch.Tensor:
-        """Layer-major, chunked forward of `ids` appended after the store's tokens."""
+        """Chunked forward of `ids` appended after the store's tokens: chunk-major on the CPU,
+        layer-major on CUDA for a prompt of several chunks."""
         lm, st = self.lm, self.settings
         body = lm.model.model
         dev = lm.device
         start, n = len(self.tokens), len(ids)
-        chunk = n if sparse and n == 1 else st.chunk_size
+        chunk = n if sparse and n == 1 else st.chunk_size or CHUNK_AUTO[dev.type == "cuda"]
         capture = st.preselect_window if n > 1 and self.policy.wants_votes() else 0
         self.router.begin(sparse=sparse, capture=min(capture, n), total=n)
+        bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
         with torch.inference_mode():
-            hidden = body.embed_tokens(torch.tensor(ids, device=dev))  # [n, hidden]
-            if dev.type == "cuda" and n > chunk:
-                hidden = hidden.cpu()  # only one chunk of activations on the device
-            bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
-            n_layers = len(body.layers)
-            # cos/sin depend only on positions: computed once per chunk when they are small
-            # (always in decode), else per layer rather than held for a 1M-token prompt
-            keep_rope = n * self.lm.spec.head_dim * 8 <= ROPE_CACHE_BYTES
-            rope: dict[int, Any] = {}
-            for li, layer in enumerate(body.layers):
-                for c0, c1 in bounds:
-                    h = hidden[c0:c1].to(dev).unsqueeze(0)  # [1, C, hidden]
-                    pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
-                    emb = rope.get(c0) or body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
-                    if keep_rope:
-                        rope[c0] = emb
-                    h = layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
-                    hidden[c0:c1] = h[0].to(hidden.device)
-                    self.store.check_resident()
-                    if progress is not None:
-                        progress((li * n + c1) // n_layers, n)
-            last = hidden if all_logits else hidden[-1:]
+            if dev.type == "cuda" and len(bounds) > 1:
+                last = self._layer_major(ids, start, bounds, progress, all_logits)
+            else:
+                last = self._chunk_major(ids, start, bounds, progress, all_logits)
             logits = lm.model.lm_head(body.norm(last.to(dev))).float()  # [n or 1, vocab]
         self.tokens.extend(ids)
         if n > 1:
             self.policy.on_prefill_end(self.router.captured, len(self.tokens))
         return logits
+
+    def _chunk_major(self, ids: list[int], start: int, bounds: list[tuple[int, int]],
+                     progress: Progress | None, all_logits: bool) -> torch.Tensor:
+        """Each chunk through every layer: only one chunk's activations exist at a time (the CPU
+        path; no device mirror of a layer's KV to amortise). Returns the last hidden rows."""
+        body, dev, n = self.lm.model.model, self.lm.device, len(ids)
+        n_layers = len(body.layers)
+        outs = []
+        for c0, c1 in bounds:
+            h = body.embed_tokens(torch.tensor(ids[c0:c1], device=dev)).unsqueeze(0)  # [1, C, hid]
+            pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
+            emb = body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
+            for li, layer in enumerate(body.layers):
+                h = layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
+                self.store.check_resident()
+                if progress is not None:
+                    progress(c0 + (c1 - c0) * (li + 1) // n_layers, n)
+            if all_logits or c1 == n:
+                outs.append(h[0] if all_logits else h[0, -1:])
+        return torch.cat(outs) if all_logits else outs[-1]  # [n or 1, hidden]
+
+    def _layer_major(self, ids: list[int], start: int, bounds: list[tuple[int, int]],
+                     progress: Progress | None, all_logits: bool) -> torch.Tensor:
+        """Each layer over every chunk (CUDA: the router mirrors one layer's KV on the device, so
+        the past is uploaded once per layer); hidden states of the whole prompt wait in DRAM."""
+        body, dev, n = self.lm.model.model, self.lm.device, len(ids)
+        hidden = body.embed_tokens(torch.tensor(ids, device=dev)).cpu()  # [n, hidden]
+        n_layers = len(body.layers)
+        # cos/sin depend only on positions: kept per chunk when small, else per layer
+        keep_rope = n * self.lm.spec.head_dim * 8 <= ROPE_CACHE_BYTES
+        rope: dict[int, Any] = {}
+        for li, layer in enumerate(body.layers):
+            for c0, c1 in bounds:
+                h = hidden[c0:c1].to(dev).unsqueeze(0)  # [1, C, hidden]
+                pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
+                emb = rope.get(c0) or body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
+                if keep_rope:
+                    rope[c0] = emb
+                h = layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
+                hidden[c0:c1] = h[0].to(hidden.device)
+                self.store.check_resident()
+                if progress is not None:
+                    progress((li * n + c1) // n_layers, n)
+        return hidden if all_logits else hidden[-1:]
 
     def prefill(
         self, ids: list[int], progress: Progress | None = None, all_logits: bool = False

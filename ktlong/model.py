@@ -277,7 +277,7 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
 
 @dataclass
 class LoadedModel:
-    """A transformers model ready for ktlong's layer-major prefill and sparse decode."""
+    """A transformers model ready for ktlong's chunked prefill and sparse decode."""
 
     model: (
         Any  # a *ForCausalLM with `.model.layers`, `.model.norm`, `.model.rotary_emb`, `.lm_head`

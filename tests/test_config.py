@@ -15,7 +15,7 @@ from ktlong.errors import KtlongError
 
 # docs/internals.md, "Settings": every key and its default (max_seq_len is machine-dependent)
 INTERNALS_DEFAULTS = dict(
-    chunk_size=4096, kv_type="BF16", device="AUTO", threads_num=0, attention="SPARSE",
+    chunk_size=0, kv_type="BF16", device="AUTO", threads_num=0, attention="SPARSE",
     block_size=128, init_len=128, local_windows_len=4096, second_select_num=96,
     anchor_type="DYNAMIC", anchor_num=1, head_select_mode="SHARED", dense_layer_num=0,
     token_step=1, layer_step=1, preselect_block=False, preselect_block_count=96,
@@ -159,9 +159,18 @@ def test_unknown_key_names_file_line_and_closest(ktlong_home: Path) -> None:
         resolve_settings(overrides={"kvtype": "FP16"})
 
 
+def test_benchmarks_can_leave_config_file_out(ktlong_home: Path) -> None:
+    """Benchmarks resolve built-in defaults + profile, whatever config.yaml pins."""
+    write_config(ktlong_home, "block_size: 64\nchunk_size: 4096\n")
+    assert resolve_settings().settings.chunk_size == 4096
+    r = resolve_settings("dense", {"threads_num": 1}, config_file=False)
+    assert (r.settings.block_size, r.settings.chunk_size, r.settings.attention) == (128, 0, "DENSE")
+    assert r.sources["block_size"] == "default"
+
+
 def test_wrong_value_in_file_names_line(ktlong_home: Path) -> None:
     path = write_config(ktlong_home, "block_size: 64\n\nchunk_size: lots\n")
-    with pytest.raises(KtlongError, match=f"{path}:3: chunk_size must be int >= 1, got 'lots'"):
+    with pytest.raises(KtlongError, match=f"{path}:3: chunk_size must be int >= 0, got 'lots'"):
         resolve_settings()
 
 

@@ -101,11 +101,20 @@ def test_prefill_never_builds_a_full_context_attention_matrix():
     n, chunk = 4096, 256
     s = Session(lm, settings(attention="DENSE", chunk_size=chunk))
     ids = _prompt(lm.tokenizer, n)
-    with Biggest():
-        s.prefill(ids)
+    embedded: list[int] = []  # tokens embedded at once: on the CPU, one chunk's hidden states
+    hook = lm.model.model.embed_tokens.register_forward_hook(
+        lambda mod, args, out: embedded.append(out.shape[-2]))
+    seen: list[int] = []
+    try:
+        with Biggest():
+            s.prefill(ids, progress=lambda done, total: seen.append(done))
+    finally:
+        hook.remove()
     hq = lm.spec.n_heads
     assert Biggest.numel < hq * n * n // 8  # a full [Hq, L, L] score matrix would be 8x this
     assert s.store.length == n
+    assert embedded == [chunk] * (n // chunk)  # never the whole prompt's [n, hidden]
+    assert seen == sorted(seen) and seen[-1] == n
 
 
 def test_fused_and_tiled_prefill_attention_agree():

@@ -130,3 +130,35 @@ def test_no_gpu_means_none_without_importing_torch() -> None:
             "'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["None", "False"]
+
+
+HEAP_SCRIPT = """
+import sys
+if sys.argv[1] == "limit":
+    from ktlong.memory import limit_heap_retention
+    assert limit_heap_retention()
+import torch
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 >> 20
+a = torch.ones(8 << 20); del a  # a big free raises glibc's dynamic mmap threshold
+r0, keep = rss(), []
+for _ in range(40):  # 3 MB activations freed between small live blocks, as in a prefill
+    x = torch.ones(3 << 18)
+    keep.append(torch.ones(1000))
+    del x
+big = [torch.ones(3 << 18) for _ in range(40)]
+del big
+print(rss() - r0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_activations_leave_rss_once_heap_retention_is_limited():
+    def growth(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", HEAP_SCRIPT, mode], capture_output=True,
+                             text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert growth("default") > 100  # glibc keeps the freed 3 MB blocks in its heap
+    assert growth("limit") < 20

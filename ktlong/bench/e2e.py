@@ -52,8 +52,8 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
 
     lm = load_model(model, device="CPU", dtype="float32")
     lm = dataclasses.replace(lm, eos_ids=())  # EOS is an ordinary token: always decode `new`
-    st = resolve_settings(
-        profile, {"max_seq_len": len(ids) + new + 16, "threads_num": threads}
+    st = resolve_settings(  # built-in defaults + the profile: config.yaml edits do not count
+        profile, {"max_seq_len": len(ids) + new + 16, "threads_num": threads}, config_file=False
     ).settings
     weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
     warm = dataclasses.replace(  # compile every kernel the timed run uses (sparse path too)

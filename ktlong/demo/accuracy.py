@@ -78,8 +78,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     for n_tok in lengths:
         cap = n_tok + 1024
         common = {"max_seq_len": cap, "device": "CPU", "threads_num": threads}
-        per = {p: resolve_settings(p, common).settings for p in profiles}
-        base = resolve_settings("dense", common).settings
+        per = {p: resolve_settings(p, common, config_file=False).settings for p in profiles}
+        base = resolve_settings("dense", common, config_file=False).settings
         for i in range(samples):
             t0 = time.perf_counter()
             sample = tasks.make_mixed(seed * 1_000_003 + n_tok * 101 + i, n_tok,

@@ -9,11 +9,16 @@ then distractor numbers and filler are added, stage by stage, up to 1024-token d
 ends when held-out answer-value accuracy at that stage reaches ADVANCE_ACC, or after STAGE_CAP
 steps; one batch in five revisits an earlier stage.
 
-Length generalisation comes from the position ids: documents of JUMP_FROM tokens or more often get
-"position jumps" at a few sentence boundaries, so the distance between a fact and its question
-ranges up to 1M positions while every sentence, the question and the answer stay contiguous (local
-order is never disturbed, unlike fully random position ids). RoPE base 1e6 keeps low-frequency
-channels nearly still over those distances.
+After `--steps` curriculum steps, a long phase (`--long-steps`, at `--long-lr`) trains on single
+documents of 1K-16K tokens (LONG_LENGTHS): the curriculum alone leaves the heads that read the
+question and the fact diluted past ~8K tokens (0% pass key at 16K); a 16K-token attention set is
+what a default-profile decode step reads at any document length.
+
+Length generalisation also comes from the position ids: documents of JUMP_FROM tokens or more
+often get "position jumps" at a few sentence boundaries, so the distance between a fact and its
+question ranges up to 1M positions while every sentence, the question and the answer stay
+contiguous (local order is never disturbed, unlike fully random position ids). RoPE base 1e6
+keeps low-frequency channels nearly still over those distances.
 
 Reproducible from `--seed`: data comes from per-sample seeds and the step count is fixed; the stage
 switches depend on measured accuracy, so use the same `--threads` to reproduce a run bit for bit.
@@ -50,6 +55,11 @@ CONFIG = dict(hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, intermedia
 # STAGE_CAP steps (so every stage is reached within the step budget).
 STAGES = ((24, 1), (32, 2), (48, 3), (64, 5), (96, 8), (160, 10), (256, 12), (512, 12),
           (1024, 12))
+# Long phase, after the curriculum: documents of 1K-16K tokens (one a batch), so heads learn to
+# find the question and the fact among as many tokens as a sparse decode step reads (~16.5K with
+# the default profile); the curriculum alone (<= 1K) leaves them diluted past ~8K.
+LONG_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+LONG_NUMBERS = 24
 JUMP_FROM = 256  # documents this long or longer get position jumps (length generalisation)
 ADVANCE_ACC = 0.7
 STAGE_CAP = 500
@@ -215,6 +225,19 @@ def make_batch(tok: Any, seed: int, step: int, stage: int,
     return collate(tok, rows)
 
 
+def make_long_batch(tok: Any, seed: int, step: int, jump_p: float = 0.6,
+                    ) -> tuple[torch.Tensor, ...]:
+    """One long-phase batch: a single document of one of LONG_LENGTHS tokens (or a few 1K ones)."""
+    rng = random.Random(seed * 2_000_003 + step)
+    length = rng.choice(LONG_LENGTHS)
+    rows = []
+    for _ in range(max(1, 4096 // (length + 60))):
+        s = dense_sample(rng.randrange(2**31), length, LONG_NUMBERS, repeat_p=REPEAT_P)
+        ids, mask, doc_len = encode(tok, s)
+        rows.append((ids, mask, position_ids(rng, tok, s, len(ids), doc_len, jump_p)))
+    return collate(tok, rows)
+
+
 def loss_fn(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor,
             pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Answer tokens weigh 1, every other real token LM_WEIGHT (induction heads form sooner)."""
@@ -307,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--long-steps", type=int, default=400)
+    ap.add_argument("--long-lr", type=float, default=5e-4)
     ap.add_argument("--threads", type=int, default=1)  # the shipped model: 1 thread
     ap.add_argument("--work", type=Path, default=Path("demo-train"))
     ap.add_argument("--out", type=Path, default=MODEL_DIR)
@@ -323,6 +348,11 @@ def main(argv: list[str] | None = None) -> None:
     warm = min(50, a.steps // 10)
 
     def lr_at(step: int) -> float:
+        if step >= a.steps:  # long phase: short warm-up, then cosine down to 10%
+            i = step - a.steps
+            t = i / max(1, a.long_steps)
+            warm_long = min(1.0, (i + 1) / 20)
+            return a.long_lr * warm_long * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
         if step < warm:
             return a.lr * (step + 1) / warm
         t = max(0.0, (step - 0.7 * a.steps) / (0.3 * a.steps))  # stable, then decay
@@ -340,11 +370,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"params {n_params / 1e6:.2f}M vocab {len(tok)} steps {a.steps}", flush=True)
     model.train()
     t0, ema = time.time() - spent, None
-    end = min(a.steps, a.stop_after or a.steps)
+    total = a.steps + a.long_steps
+    end = min(total, a.stop_after or total)
     for step in range(start, end):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        ids, mask, pos = make_batch(tok, a.seed, step, stage)
+        long = step >= a.steps
+        ids, mask, pos = (make_long_batch(tok, a.seed, step) if long
+                          else make_batch(tok, a.seed, step, stage))
         loss, lm_loss = loss_fn(model, ids, mask, pos, tok.pad_token_id)
         opt.zero_grad(set_to_none=True)
         (loss + LM_WEIGHT * lm_loss).backward()
@@ -356,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step} stage {stage} len {ids.shape[1]} loss {lv:.3f} ema {ema:.3f} "
                   f"lm {float(lm_loss.detach()):.2f} "
                   f"lr {lr_at(step):.2e} t {time.time() - t0:.0f}s", flush=True)
-        if (step + 1) % EVAL_EVERY == 0:
+        if (step + 1) % EVAL_EVERY == 0 and not long:
             acc = stage_eval(model, tok, stage)
             print(f"eval step {step + 1} stage {stage} {STAGES[stage]} value acc {acc:.3f} "
                   f"t {time.time() - t0:.0f}s", flush=True)
@@ -365,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
                 stage, since = stage + 1, step + 1
                 print(f"advance to stage {stage} {STAGES[stage]}", flush=True)
         if (step + 1) % a.save_every == 0 or step + 1 == end:
-            for n_tok in (256, 1024):
+            for n_tok in (256, 1024) + ((4096, 16384) if long else ()):
                 print(f"eval step {step + 1} bench-style {n_tok} tokens value acc "
                       f"{quick_eval(model, tok, length=n_tok):.3f}", flush=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1,
