@@ -193,7 +193,7 @@ def chat(model: ModelOpt = None,
                             "document with hidden facts (pass key, key-value records, a needle).")]
          = False,
          demo_tokens: Annotated[str, typer.Option(
-             metavar="TOKENS", help="Size of the --demo document, e.g. 8K.")] = "4K") -> None:
+             metavar="TOKENS", help="Size of the --demo document, e.g. 32K.")] = "16K") -> None:
     """Chat about a long document: read it once, then ask (type /help in the chat)."""
     from ktlong import chat as chat_mod
 
@@ -229,8 +229,8 @@ def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str) -> tu
     for q in d.questions:
         typer.echo(f"  {q}", err=True)
     if model is None:
-        typer.echo("note: the built-in demo model (1.1M parameters) finds pass keys and needles "
-                   "up to ~8K tokens but often misses key-value records, and fails from 16K on; "
+        typer.echo("note: the built-in demo model (1.1M parameters) finds pass keys up to ~32K "
+                   "tokens and needles up to ~16K, but often misses key-value records; "
                    "pass --model for a real one", err=True)
     return model or d.model, str(d.document)
 

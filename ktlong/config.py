@@ -65,7 +65,7 @@ class Settings:
     kv_type: str = _f("enum", "BF16", "memory", "Precision of the stored K and V",
                       choices=_KV_TYPES)
     chunk_size: int = _f("int", 0, "memory", "Prefill chunk in tokens; bigger needs more memory "
-                         "for activations; 0 = 4096 on CUDA, 512 on the CPU", 0)
+                         "for activations; 0 = 4096 on CUDA, 1024 on the CPU", 0)
     # runtime
     device: str = _f("enum", "AUTO", "runtime", "Where the model runs; AUTO uses CUDA if present",
                      choices=("AUTO", "CPU", "CUDA"))

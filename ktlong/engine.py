@@ -59,7 +59,7 @@ class Step:
 
 
 ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they fit in this
-CHUNK_AUTO = {False: 512, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
+CHUNK_AUTO = {False: 1024, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
 
 
 def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = None) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_DIR = Path(__file__).parent / "model"
-DEMO_TOKENS = 4096
+DEMO_TOKENS = 16384
 
 
 @dataclass(frozen=True)
