@@ -17,8 +17,7 @@ from ktlong.attention import AttentionRouter
 from ktlong.config import Settings
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KVStore, StoreShape
-from ktlong.memory import limit_heap_retention
-from ktlong.memory import gb, kv_bytes_per_token
+from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
 
