@@ -137,3 +137,21 @@ def test_fused_and_tiled_prefill_attention_agree():
         att.PAST_SEGMENT_ELEMS = old
     tiled = router._dense_tiled(0, q, past, 0.3)
     assert (fused - tiled).abs().max().item() < 1e-5
+
+
+def test_layer_major_prefill_equals_chunk_major():
+    """CUDA prefills layer-major (one layer's KV mirrored on the device), the CPU chunk-major;
+    run both orders on the CPU: same logits, same KV store."""
+    lm = load_model(hf_model("llama"), device="CPU", dtype="float32")
+    ids = _prompt(lm.tokenizer, 1000)
+    a = Session(lm, settings(attention="DENSE", chunk_size=256))
+    la = a.prefill(ids, all_logits=True)
+    b = Session(lm, settings(attention="DENSE", chunk_size=256))
+    b._chunk_major = b._layer_major  # what _forward picks on CUDA
+    lb = b.prefill(ids, all_logits=True)
+    assert la.shape == lb.shape == (1000, lm.model.config.vocab_size)
+    assert torch.allclose(la, lb, atol=1e-5)
+    for layer in range(lm.spec.n_layers):
+        ka, va = a.store.token_range(layer, 0, 1000)
+        kb, vb = b.store.token_range(layer, 0, 1000)
+        assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
