@@ -193,7 +193,8 @@ def stats_line(a: Any) -> str:
     parts = [f"{st.new_tokens} tokens at {st.decode_tok_s:.1f} tok/s",
              f"prompt {len(a.prompt_ids):,} (new {a.prefilled_tokens:,} at "
              f"{a.prefill_tok_s:,.0f} tok/s)", f"KV {size(st.kv_bytes)}",
-             f"blocks read {st.attended_share:.0%}", f"{st.threads} threads"]
+             f"blocks read {st.attended_share:.0%}",
+             f"{st.threads} thread{'s' if st.threads != 1 else ''}"]
     if a.stop in STOPS:
         parts.append(STOPS[a.stop])
     return " · ".join(parts)
