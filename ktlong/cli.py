@@ -360,13 +360,13 @@ def inspect_cache(remove: Annotated[list[str] | None, typer.Option(
 
 
 # --- bench --------------------------------------------------------------------------------------
-def _lengths(contexts: str) -> list[int]:
+def _lengths(contexts: str, option: str = "--contexts") -> list[int]:
     try:
         lengths = [parse_int(x) for x in contexts.split(",") if x.strip()]
     except ValueError:
-        raise KtlongError(f"--contexts {contexts!r}: expected numbers like 16384,64K,1M") from None
+        raise KtlongError(f"{option} {contexts!r}: expected numbers like 16384,64K,1M") from None
     if not lengths or min(lengths) <= 0:
-        raise KtlongError(f"--contexts {contexts!r}: give at least one positive length")
+        raise KtlongError(f"{option} {contexts!r}: give at least one positive length")
     return lengths
 
 
@@ -391,11 +391,15 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                   model: ModelOpt = None,
                   threads: Annotated[int, typer.Option(
                       "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                  chunk_sizes: Annotated[str, typer.Option(
+                      help="ktlong's prefill chunk sizes to compare, comma-separated.")]
+                  = "4096",
                   as_json: JsonOpt = False) -> None:
     """Prefill tok/s and peak RSS: ktlong's chunked prefill against transformers' forward."""
     from ktlong.bench import prefill
 
-    prefill.main(_lengths(contexts), threads, as_json, model)
+    chunks = tuple(_lengths(chunk_sizes, "--chunk-sizes"))
+    prefill.main(_lengths(contexts), threads, as_json, model, chunks)
 
 
 @bench_app.command("accuracy")

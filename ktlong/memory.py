@@ -7,6 +7,7 @@ for the whole context and one chunk's activations (about 1 GiB). Sizes print in 
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 from dataclasses import asdict, dataclass
@@ -207,13 +208,15 @@ def gb(n: int | float) -> str:
 HEAP_MMAP_THRESHOLD = 1 << 20  # freed blocks this big go back to the OS at once
 
 
+@functools.cache
 def limit_heap_retention() -> bool:
     """Make glibc return every freed block of 1 MB or more to the OS at once.
 
     glibc raises its mmap threshold (up to 32 MB) after big frees, so prefill activations freed
-    chunk after chunk stay in the heap, and in RSS, for the rest of the chat (~130 MB at 16K on
-    `ktlong bench e2e`'s model). A fixed threshold stops that; the cost is a page fault per fresh
-    page of each big tensor, small beside the matmuls that fill it. No-op off glibc.
+    chunk after chunk stay in the heap, and in RSS, for the rest of the chat (tests/test_memory.py
+    shows the pattern). A fixed threshold stops that; the cost is a page fault per fresh
+    page of each big tensor, small beside the matmuls that fill it. No-op off glibc; once per
+    process (every Session calls it).
     """
     if not sys.platform.startswith("linux"):
         return False

@@ -257,3 +257,19 @@ def test_bench_decode_passes_parsed_options(monkeypatch: pytest.MonkeyPatch) -> 
     r = run("bench", "decode", "--contexts", "16K,lots")
     assert r.exit_code == 2 and "--contexts '16K,lots'" in r.stderr
     assert len(calls) == 1
+
+
+def test_bench_prefill_passes_chunk_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple] = []
+    fake = types.ModuleType("ktlong.bench.prefill")
+    fake.main = lambda *a: calls.append(a)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ktlong.bench.prefill", fake)
+    import ktlong.bench
+
+    monkeypatch.setattr(ktlong.bench, "prefill", fake, raising=False)
+    r = run("bench", "prefill", "--contexts", "16K", "--chunk-sizes", "512,1K", "-t", "1")
+    assert r.exit_code == 0, r.output
+    assert calls == [([16384], 1, False, None, (512, 1024))]
+    r = run("bench", "prefill", "--chunk-sizes", "0")
+    assert r.exit_code == 2 and "--chunk-sizes '0'" in r.stderr
+    assert len(calls) == 1

@@ -1,7 +1,8 @@
-"""`ktlong bench prefill`: ktlong's chunked layer-major prefill vs transformers' one-shot forward.
+"""`ktlong bench prefill`: ktlong's chunked prefill vs transformers' one-shot forward.
 
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runtimes are interleaved
-per context length. The model is a small random Llama built locally (no downloads).
+per context length. The model is a small random Llama built locally (no downloads). ktlong runs
+once per `--chunk-sizes` entry, so chunk sizes compare side by side (speed and peak RSS).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ktlong.bench.rss import peak_rss
 BENCH_SHAPE = dict(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1408)
 
 
-def _worker(runtime: str, model: str, n: int, threads: int) -> dict[str, Any]:
+def _worker(runtime: str, model: str, n: int, threads: int, chunk: int) -> dict[str, Any]:
     import dataclasses
 
     import torch
@@ -39,7 +40,7 @@ def _worker(runtime: str, model: str, n: int, threads: int) -> dict[str, Any]:
             Settings(),
             attention="DENSE",
             kv_type="BF16",
-            chunk_size=4096,
+            chunk_size=chunk,
             max_seq_len=n + 16,
             threads_num=threads,
         )
@@ -57,13 +58,15 @@ def _worker(runtime: str, model: str, n: int, threads: int) -> dict[str, Any]:
     return {
         "runtime": runtime,
         "context": n,
+        "chunk_size": chunk if runtime == "ktlong" else None,
         "prefill_s": dt,
         "prefill_tok_s": n / dt,
         "peak_rss_bytes": rss,
     }
 
 
-def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None) -> None:
+def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None,
+         chunk_sizes: tuple[int, ...] = (4096,)) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -78,7 +81,7 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
         )
     rows = []
     for n in contexts:
-        for runtime in ("ktlong", "transformers"):
+        for runtime, chunk in [("ktlong", c) for c in chunk_sizes] + [("transformers", 0)]:
             out = subprocess.run(
                 [
                     sys.executable,
@@ -88,6 +91,7 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
                     str(model),
                     str(n),
                     str(threads),
+                    str(chunk),
                 ],
                 capture_output=True,
                 text=True,
@@ -104,7 +108,7 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
     for r in rows:
         table.add_row(
             f"{r['context']:,}",
-            r["runtime"],
+            r["runtime"] + (f" (chunk {r['chunk_size']})" if r["chunk_size"] else ""),
             f"{r['prefill_tok_s']:.0f}",
             f"{r['prefill_s']:.1f}",
             f"{r['peak_rss_bytes'] / 1e9:.2f}",
@@ -112,5 +116,5 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
     Console().print(table)
 
 
-if __name__ == "__main__":  # a worker: python -m ktlong.bench.prefill RUNTIME MODEL N THREADS
-    print(json.dumps(_worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+if __name__ == "__main__":  # a worker: python -m ktlong.bench.prefill RUNTIME MODEL N THREADS CHUNK
+    print(json.dumps(_worker(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]))))

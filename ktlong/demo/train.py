@@ -60,6 +60,7 @@ STAGES = ((24, 1), (32, 2), (48, 3), (64, 5), (96, 8), (160, 10), (256, 12), (51
 # the default profile); the curriculum alone (<= 1K) leaves them diluted past ~8K.
 LONG_LENGTHS = (1024, 2048, 4096, 8192, 16384)
 LONG_NUMBERS = 24
+LONG_BATCH_TOKENS = 4096  # a long-phase batch: one document, or as many 1K ones as fit
 JUMP_FROM = 256  # documents this long or longer get position jumps (length generalisation)
 ADVANCE_ACC = 0.7
 STAGE_CAP = 500
@@ -227,11 +228,12 @@ def make_batch(tok: Any, seed: int, step: int, stage: int,
 
 def make_long_batch(tok: Any, seed: int, step: int, jump_p: float = 0.6,
                     ) -> tuple[torch.Tensor, ...]:
-    """One long-phase batch: a single document of one of LONG_LENGTHS tokens (or a few 1K ones)."""
+    """One long-phase batch: documents of one of LONG_LENGTHS tokens, LONG_BATCH_TOKENS at most
+    (at least one)."""
     rng = random.Random(seed * 2_000_003 + step)
     length = rng.choice(LONG_LENGTHS)
     rows = []
-    for _ in range(max(1, 4096 // (length + 60))):
+    for _ in range(max(1, LONG_BATCH_TOKENS // (length + 60))):
         s = dense_sample(rng.randrange(2**31), length, LONG_NUMBERS, repeat_p=REPEAT_P)
         ids, mask, doc_len = encode(tok, s)
         rows.append((ids, mask, position_ids(rng, tok, s, len(ids), doc_len, jump_p)))
@@ -252,7 +254,7 @@ def loss_fn(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
     return ans_loss, lm_loss
 
 
-def _value_rows(tok: Any, sample: tasks.Sample, one_question: bool = True) -> list[tuple]:
+def _value_rows(tok: Any, sample: tasks.Sample) -> list[tuple]:
     """(ids, value mask, positions) per asked fact, each as the first question after the
     document (as `bench accuracy` asks); the mask marks the tokens of the value only."""
     conv = Conversation(tok, sample.document)
