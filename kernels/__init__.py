@@ -74,6 +74,7 @@ try:
         merge_partials,
         merge_partials_ref,
     )
+    from .gemv import gemv, gemv_ref  # noqa: E402
     from .votes import query_votes, query_votes_ref  # noqa: E402
 finally:
     numba.config.CACHE_DIR = _saved_cache_dir
@@ -86,7 +87,8 @@ KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 __all__ = [
     "KV_KINDS", "attend_blocks", "attend_blocks_ref", "auto_threads", "cache_dir",
     "compute_anchors",
-    "compute_anchors_ref", "configure_threads", "f32_to_kv", "kv_to_f64", "merge_partials",
+    "compute_anchors_ref", "configure_threads", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64",
+    "merge_partials",
     "merge_partials_ref", "query_votes", "query_votes_ref", "score_blocks", "score_blocks_ref",
     "source_hash", "topk_blocks", "topk_blocks_ref",
 ]

@@ -20,7 +20,7 @@ from ktlong.kvstore import KV_TYPES, KVStore
 from ktlong.model import ATTN_IMPLEMENTATION
 
 TILE_ELEMS = 1 << 24  # max floats in one [Hkv, g*L, T] score tile (64 MB)
-PAST_SEGMENT_ELEMS = 1 << 22  # max floats of past K per fused-kernel call (16 MB; V as much)
+PAST_SEGMENT_ELEMS = 1 << 20  # max floats of past K per fused-kernel call (4 MB; V as much)
 # torch's fused CPU flash attention returning (out, logsumexp); private, so looked up defensively
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -28,9 +28,11 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 def _merge(
     o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of attention over two disjoint key sets: out [..., n, d], lse [..., n]."""
+    """Exact merge of attention over two disjoint key sets: out [..., n, d], lse [..., n].
+    Overwrites o1 and o2 (no temporaries the size of the output)."""
     lse = torch.logaddexp(l1, l2)
-    return o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None], lse
+    o1.mul_(torch.exp(l1 - lse)[..., None])
+    return o1.add_(o2.mul_(torch.exp(l2 - lse)[..., None])), lse
 
 
 def ktlong_attention(
@@ -144,15 +146,12 @@ class AttentionRouter:
             o, lo = _FLASH_CPU(qf, k[None], v[None], 0.0, False, scale=scale)[:2]
             out, lse = (o, lo) if out is None else _merge(out, lse, o, lo)
         k, v = self.store.token_range(layer, start, start + L)  # this chunk: causal square
-        oc, lc = _FLASH_CPU(
-            q[None],
-            k.repeat_interleave(g, 0)[None],
-            v.repeat_interleave(g, 0)[None],
-            0.0,
-            True,
-            scale=scale,
-        )[:2]
-        oc, lc = oc.reshape(1, Hkv, g * L, d), lc.reshape(1, Hkv, g * L)
+        oc = torch.empty(1, Hkv, g * L, d)
+        lc = torch.empty(1, Hkv, g * L)
+        for j in range(g):  # query heads kv*g + j: one causal call each, K and V not repeated
+            rows = slice(j * L, (j + 1) * L)
+            o, lo = _FLASH_CPU(qf[:, :, rows], k[None], v[None], 0.0, True, scale=scale)[:2]
+            oc[:, :, rows], lc[:, :, rows] = o, lo
         out, lse = (oc, lc) if out is None else _merge(out, lse, oc, lc)
         return out.reshape(Hq, L, d)
 

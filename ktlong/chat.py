@@ -356,7 +356,7 @@ def run(model: Path | None, prompt_file: str | None, settings: Settings, *,
     read = None if questions else chatui.input_reader(ui, stdin_taken=prompt_file == "-")
     try:
         with ui.loading(model):
-            lm = load_model(model, settings.device)
+            lm = load_model(model, settings.device, weight_type=settings.weight_type)
         loop = ChatLoop(lm, settings, doc, ui, system, encoding, use_cache, cache_dir)
         loop.open()
         if not questions:

@@ -176,7 +176,7 @@ def attention_main(model: Path | None, prompt_file: Path, question: str, setting
     from ktlong.model import load_model
 
     document = read_document(prompt_file).text  # the chat's checks: missing, binary, encoding
-    lm = load_model(model, settings.device)
+    lm = load_model(model, settings.device, weight_type=settings.weight_type)
     with _prefill_progress(quiet=as_json) as progress:
         report = observe_attention(lm, settings, document, question, n_answer, progress)
     report.info["profile"] = profile or "(config)"

@@ -286,6 +286,7 @@ class LoadedModel:
     spec: ModelSpec
     device: Any  # torch.device the weights live on
     eos_ids: tuple[int, ...]
+    weight_type: str = ""  # what the linear layers hold: BF16 | FP16 | FP32
 
 
 def _complete_gguf_tokenizer(tokenizer: Any, path: str) -> None:
@@ -319,16 +320,32 @@ def pick_device(name: str = "AUTO") -> Any:
     return torch.device("cpu")
 
 
+def _stored_half(spec: ModelSpec) -> str | None:
+    """The 16-bit torch dtype that holds a checkpoint's weights (without loss where one can):
+    float16 for F16 files, bfloat16 for BF16 and quantised ones; None when all are F32/F64."""
+    types = {t.upper() for t in spec.weight_types} - {"PICKLE"}
+    if types <= {"F32", "F64"}:
+        return None
+    return "float16" if types <= {"F32", "F64", "F16"} else "bfloat16"
+
+
+HALF_TYPES = {"BF16": "bfloat16", "FP16": "float16", "FP32": None}  # weight_type -> torch dtype
+
+
 def load_model(
     path: str | os.PathLike[str],
     device: str = "AUTO",
     dtype: str | None = None,
     allow_pickle: bool = False,
+    weight_type: str = "AUTO",
 ) -> LoadedModel:
     """Load weights + tokenizer + chat template from an HF folder or a GGUF file.
 
-    `dtype` (float32|bfloat16|float16) defaults to the checkpoint's own dtype for HF folders and
-    to float32 for GGUF (transformers dequantises it).
+    On CUDA, `dtype` (float32|bfloat16|float16) defaults to the checkpoint's own dtype for HF
+    folders and to float32 for GGUF (transformers dequantises it). On the CPU, activations are
+    `dtype` (default float32) and the linear layers and embedding keep 16-bit weights
+    (ktlong.weights) per `weight_type`: AUTO keeps the checkpoint's 16-bit type (an FP32
+    checkpoint stays FP32), BF16 / FP16 convert, FP32 widens.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
     import torch
@@ -350,28 +367,47 @@ def load_model(
         kw["gguf_file"] = name
         config = AutoConfig.from_pretrained(folder, **kw)
         config.head_dim = spec.head_dim  # transformers drops `attention.key_length` for some archs
-        torch_dtype = getattr(torch, dtype or "float32")
     else:
         folder = spec.path
         config = AutoConfig.from_pretrained(folder, **kw)
-        torch_dtype = (
-            getattr(torch, dtype) if dtype else getattr(config, "dtype", None) or torch.float32
-        )
         kw["use_safetensors"] = not allow_pickle
+    stored = _stored_half(spec)
+    if dev.type == "cpu":
+        half = stored if weight_type == "AUTO" else HALF_TYPES[weight_type]
+        compute = getattr(torch, dtype or "float32")
+        load_dtype = getattr(torch, stored) if half and stored else compute
+    else:
+        half = None
+        default = "float32" if spec.format == "gguf" else stored or "float32"
+        load_dtype = compute = getattr(torch, dtype or default)
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         config.sliding_window = None  # ktlong attends the whole context; the store has no window
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION, **kw
+            folder, config=config, dtype=load_dtype, attn_implementation=ATTN_IMPLEMENTATION, **kw
         )
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     except (OSError, ValueError) as e:
         raise KtlongError(f"could not load {spec.path}: {str(e).splitlines()[0]}") from None
     if spec.format == "gguf":
         _complete_gguf_tokenizer(tokenizer, spec.path)
-    model.eval().requires_grad_(False).to(dev)
+    model.eval().requires_grad_(False)
+    if half:
+        from ktlong.weights import compact
+
+        compact(model, getattr(torch, half), compute)
+    else:
+        model.to(dev, compute)
+    if dev.type == "cpu":
+        from ktlong.weights import gate_mlps_in_place
+
+        gate_mlps_in_place(model)
     eos = getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids += (tokenizer.eos_token_id,)
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, device=dev, eos_ids=eos_ids)
+    names = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, spec=spec, device=dev, eos_ids=eos_ids,
+        weight_type=names.get(getattr(torch, half) if half else compute, str(compute)),
+    )

@@ -37,7 +37,7 @@ def run(
     doc = read_document(prompt_file, encoding)
     ui = chatui.TerminalUI(as_json=as_json)
     with ui.loading(model):
-        lm = load_model(model, settings.device)
+        lm = load_model(model, settings.device, weight_type=settings.weight_type)
     ids = Conversation(lm.tokenizer, doc.text, system).document_ids()
     with ui.progress("prefilling") as progress:
         opened = open_document(lm, settings, ids, progress, True, cache_dir)

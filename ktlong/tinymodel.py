@@ -76,6 +76,7 @@ def make_config(
     max_positions: int = 131072,
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
+    tie_embeddings: bool = False,
 ) -> Any:
     """A transformers config for one of the supported architectures."""
     from transformers import AutoConfig
@@ -91,7 +92,7 @@ def make_config(
         max_position_embeddings=max_positions,
         bos_token_id=0,
         eos_token_id=1,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
@@ -152,7 +153,7 @@ def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32
     `tensor_type` is one of F32, F16, BF16, Q8_0, Q4_0 for the 2-D weights; norms stay F32.
     """
     import gguf
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
     hf_dir, out_file = Path(hf_dir), Path(out_file)
@@ -193,7 +194,7 @@ def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32
 
     qtype = gguf.GGMLQuantizationType[tensor_type]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    state: dict[str, np.ndarray] = {}
+    state: dict[str, Any] = {}  # name -> torch tensor (BF16 has no NumPy dtype)
     for f in sorted(hf_dir.glob("*.safetensors")):
         state.update(load_file(f))
     permute = cfg.model_type in ("llama", "mistral")
@@ -201,7 +202,7 @@ def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
-        t = t.astype(np.float32)
+        t = t.float().numpy()
         if permute and hf_name.endswith("q_proj.weight"):
             t = _permute_qk(t, cfg.num_attention_heads)
         elif permute and hf_name.endswith("k_proj.weight"):

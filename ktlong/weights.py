@@ -1,0 +1,184 @@
+"""16-bit weights on the CPU: linear layers and the embedding table kept in BF16 or FP16.
+
+A one-token forward reads every weight once, so decode on the CPU is bound by weight traffic.
+`compact` swaps a loaded model's linear layers (and its embedding table) for modules that keep the
+16-bit bits and never hold a float32 copy:
+- one input row (decode): the Numba GEMV widens the bits in registers (kernels/gemv.py);
+- more rows (prefill): the weight is widened a block of rows at a time into a reused 16 MB scratch
+  and multiplied by torch (a compute-bound GEMM, where the widening costs little).
+Activations stay in the model's compute dtype (float32 on the CPU).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ktlong import kernels
+
+KINDS = {torch.bfloat16: kernels.KV_KINDS["BF16"], torch.float16: kernels.KV_KINDS["FP16"]}
+SCRATCH_FLOATS = 1 << 22  # float32 elements of one widened block of weight rows (16 MB)
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """A float32 buffer of >= n elements, reused by every GEMM of this thread."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _local.buf = torch.empty(n)
+    return buf
+
+
+class HalfLinear(nn.Module):
+    """`nn.Linear` with a 16-bit weight: bits [out, in] int16 (BF16 or FP16 by `kind`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, half: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.half, self.kind = half, KINDS[half]
+        bits = weight if weight.dtype == torch.int16 else weight.to(half).view(torch.int16)
+        self.register_buffer("bits", bits.contiguous())  # int16: .float() leaves it alone
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._np = self.bits.numpy()  # [out, in] shares the buffer's memory
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight={str(self.half).removeprefix('torch.')}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        rows = x.numel() // self.in_features
+        if rows == 1:
+            xv = x.reshape(-1).to(torch.float32).contiguous().numpy()
+            y = torch.from_numpy(kernels.gemv(self._np, xv, self.kind))  # [out] f32
+        else:
+            y = self._gemm(x.reshape(rows, self.in_features).to(torch.float32))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] f32 -> [rows, out] f32, widening SCRATCH_FLOATS weights at a time."""
+        n, k = self.out_features, self.in_features
+        half = self.bits.view(self.half)
+        rb = max(1, min(n, SCRATCH_FLOATS // k))
+        buf = _scratch(rb * k)
+        if rb == n:
+            w = buf[: n * k].view(n, k)
+            w.copy_(half)
+            return F.linear(x, w)
+        y = torch.empty(x.shape[0], n)
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            w = buf[: (r1 - r0) * k].view(r1 - r0, k)
+            w.copy_(half[r0:r1])
+            y[:, r0:r1] = F.linear(x, w)
+        return y
+
+
+class HalfEmbedding(nn.Module):
+    """`nn.Embedding` over 16-bit rows, widened to `dtype` as they are looked up."""
+
+    def __init__(self, bits: torch.Tensor, half: torch.dtype, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = bits.shape
+        self.half, self.dtype = half, dtype
+        self.register_buffer("bits", bits)  # [vocab, hidden] int16
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., hidden]
+        return F.embedding(ids, self.bits).view(self.half).to(self.dtype)
+
+
+MLP_BLOCK_FLOATS = 1 << 20  # float32 elements of one [rows, block] slice of the MLP's inside
+
+
+def _block(lin: nn.Module, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    """lin's weight[r0:r1, c0:c1] in float32 (a 16-bit weight is widened into the scratch)."""
+    if isinstance(lin, HalfLinear):
+        w = _scratch((r1 - r0) * (c1 - c0))[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+        return w.copy_(lin.bits.view(lin.half)[r0:r1, c0:c1])
+    return lin.weight[r0:r1, c0:c1]
+
+
+class GatedMLP(nn.Module):
+    """A SiLU-gated MLP (Llama, Qwen, Mistral) that never holds the whole [rows, intermediate]
+    activations: with several rows it runs over slices of the intermediate dimension (gate and up
+    rows, down columns), so a 1024-token prefill chunk holds 4 MB slices instead of four full
+    [rows, intermediate] tensors. One row (decode) goes straight through, in place."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., hidden]
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            g = self.gate_proj(x)  # [..., intermediate]
+            F.silu(g, inplace=True)
+            return self.down_proj(g.mul_(self.up_proj(x)))
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        x2 = x.reshape(rows, -1).to(torch.float32)  # [rows, hidden]
+        hidden, inter = down.out_features, down.in_features
+        step = max(64, MLP_BLOCK_FLOATS // rows)
+        out = torch.zeros(rows, hidden)
+        for j0 in range(0, inter, step):
+            j1 = min(inter, j0 + step)
+            g = F.linear(x2, _block(gate, j0, j1, 0, hidden), _bias(gate, j0, j1))  # [rows, j]
+            F.silu(g, inplace=True)
+            g.mul_(F.linear(x2, _block(up, j0, j1, 0, hidden), _bias(up, j0, j1)))
+            out.addmm_(g, _block(down, 0, hidden, j0, j1).t())  # [rows, hidden]
+        if down.bias is not None:
+            out += down.bias
+        return out.to(x.dtype).reshape(x.shape)
+
+
+def _bias(lin: nn.Module, j0: int, j1: int) -> torch.Tensor | None:
+    return None if lin.bias is None else lin.bias[j0:j1].float()
+
+
+def gate_mlps_in_place(model: nn.Module) -> int:
+    """Swap every SiLU-gated MLP for `GatedMLP` (inference only); returns how many."""
+    found = [
+        (name, mod) for name, mod in model.named_modules()
+        if all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj"))
+        and type(getattr(mod, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+    ]
+    for name, mod in found:
+        _replace(model, name, GatedMLP(mod))
+    return len(found)
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, new)
+
+
+def compact(model: nn.Module, half: torch.dtype, dtype: torch.dtype = torch.float32) -> int:
+    """Keep `model`'s linear layers and input embedding in `half` (bf16 or fp16) bits; cast
+    everything else to `dtype`. A tied output head shares the embedding's bits. Returns the
+    bytes the 16-bit weights take."""
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb.weight
+    shared = emb.weight.detach().to(half).view(torch.int16)
+    n_bytes = shared.numel() * 2
+    _replace(model, _module_name(model, emb), HalfEmbedding(shared, half, dtype))
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or (half == torch.bfloat16 and mod.in_features % 2):
+            continue
+        w = shared if mod is head and tied else mod.weight.detach()
+        new = HalfLinear(w, None if mod.bias is None else mod.bias.detach(), half)
+        _replace(model, name, new)
+        n_bytes += 0 if mod is head and tied else new.bits.numel() * 2
+    model.to(dtype)  # norms, biases, rotary buffers; the int16 bits stay as they are
+    return n_bytes
+
+
+def _module_name(root: nn.Module, target: nn.Module) -> str:
+    for name, mod in root.named_modules():
+        if mod is target:
+            return name
+    raise ValueError("module not found in the model")

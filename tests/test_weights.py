@@ -1,0 +1,147 @@
+"""16-bit CPU weights: the GEMV kernel against NumPy, the modules against torch, and a BF16
+checkpoint through the engine against transformers' float32 forward of the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ktlong import kernels, weights
+from ktlong.engine import Sampling, Session
+from ktlong.model import load_model
+from ktlong.tinymodel import filler_text
+from ktlong.weights import HalfEmbedding, HalfLinear
+
+from .models import ARCHS, gguf_model, hf_model, settings
+from .test_engine import _stock
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@pytest.mark.parametrize("n,k", [(1, 2), (5, 6), (7, 34), (33, 64), (130, 1000), (512, 2048)])
+def test_gemv_equals_reference(kind, n, k):
+    rng = np.random.default_rng(n * 1000 + k)
+    w = kernels.f32_to_kv(rng.standard_normal((n, k)).astype(np.float32), kind)  # [N, K]
+    x = rng.standard_normal(k).astype(np.float32)
+    got, ref = kernels.gemv(w, x, kind), kernels.gemv_ref(w, x, kind)
+    assert got.shape == (n,) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_gemv_rejects_bad_shapes():
+    w = np.zeros((4, 5), np.uint16)
+    with pytest.raises(ValueError, match="even"):
+        kernels.gemv(w, np.zeros(5, np.float32), 1)
+    with pytest.raises(ValueError, match="x must be"):
+        kernels.gemv(np.zeros((4, 6), np.uint16), np.zeros(5, np.float32), 1)
+    with pytest.raises(ValueError, match="4-byte"):
+        kernels.gemv(w, np.zeros(5, np.float32), 0)
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_half_linear_equals_linear_over_the_same_16_bit_weights(half, rows, bias, monkeypatch):
+    monkeypatch.setattr(weights, "SCRATCH_FLOATS", 1000)  # several widened blocks per GEMM
+    torch.manual_seed(0)
+    ref = nn.Linear(96, 70, bias=bias)
+    mod = HalfLinear(ref.weight.detach(), ref.bias.detach() if bias else None, half)
+    ref.weight.data = ref.weight.data.to(half).float()  # the values the module holds
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        got, want = mod(x.unsqueeze(0)), ref(x).unsqueeze(0)  # [1, rows, 70]
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert mod.bits.dtype == torch.int16 and mod.bits.shape == (70, 96)
+
+
+def _ids(lm, n):
+    ids = lm.tokenizer(filler_text(n, seed=3))["input_ids"]
+    return ids[:n]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_checkpoint_keeps_bf16_weights_and_equals_transformers(arch):
+    path = hf_model(arch, dtype="bfloat16")
+    lm = load_model(path, device="CPU")  # float32 activations, the checkpoint's BF16 weights
+    assert lm.weight_type == "BF16"
+    body = lm.model
+    linears = [m for m in body.modules() if isinstance(m, nn.Linear)]
+    assert not linears, "every linear layer keeps 16-bit weights"
+    assert isinstance(body.get_input_embeddings(), HalfEmbedding)
+    assert all(p.dtype == torch.float32 for p in body.parameters())  # norms, biases: float32
+
+    ids = _ids(lm, 600)
+    s = Session(lm, settings(attention="DENSE"))
+    logits = s.prefill(ids, all_logits=True)  # chunks of 256 rows: the widened GEMM
+    got = [st.token_id for st in s.generate(Sampling(max_new_tokens=24))]  # one row: the GEMV
+    stock = _stock(path).float()  # transformers, float32 over the same values
+    with torch.no_grad():
+        ref_logits = stock(torch.tensor([ids])).logits[0]
+        ref = stock.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):]
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    assert got == ref.tolist()
+
+
+def test_16_bit_weights_take_half_the_memory_and_a_tied_head_shares_them():
+    def nbytes(lm):
+        return sum(t.numel() * t.element_size()
+                   for t in (*lm.model.parameters(), *lm.model.buffers()) if t.dim() > 1)
+
+    path = hf_model("llama", dtype="bfloat16", tie_embeddings=True, hidden=128)
+    half = load_model(path, device="CPU")
+    full = load_model(path, device="CPU", weight_type="FP32")
+    assert full.weight_type == "FP32" and isinstance(full.model.lm_head, nn.Linear)
+    assert half.model.lm_head.bits.data_ptr() == half.model.get_input_embeddings().bits.data_ptr()
+    assert nbytes(half) <= 0.51 * nbytes(full)
+    ids = _ids(half, 300)
+    a = Session(half, settings(attention="DENSE")).prefill(ids)
+    b = Session(full, settings(attention="DENSE")).prefill(ids)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # FP32 widening is exact
+
+
+def test_weight_type_converts_an_fp32_checkpoint():
+    path = hf_model("llama")  # float32 weights
+    assert load_model(path, device="CPU").weight_type == "FP32"  # AUTO keeps FP32
+    for name, dt in (("BF16", torch.bfloat16), ("FP16", torch.float16)):
+        lm = load_model(path, device="CPU", weight_type=name)
+        ref = load_model(path, device="CPU", dtype="float32", weight_type="FP32")
+        q = lm.model.model.layers[0].self_attn.q_proj
+        q_ref = ref.model.model.layers[0].self_attn.q_proj
+        assert lm.weight_type == name and q.half == dt
+        assert torch.equal(q.bits.view(dt), q_ref.weight.to(dt))  # rounded once, nearest
+
+
+@pytest.mark.parametrize("tensor_type,want", [("F32", "FP32"), ("F16", "FP16"), ("Q8_0", "BF16")])
+def test_gguf_weights_stay_in_16_bits_where_the_file_has_them(tensor_type, want):
+    lm = load_model(gguf_model("llama", tensor_type), device="CPU")
+    assert lm.weight_type == want
+    assert isinstance(lm.model.lm_head, nn.Linear if want == "FP32" else HalfLinear)
+
+
+@pytest.mark.parametrize("half", [None, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_gated_mlp_in_slices_equals_the_stock_mlp(half, rows, monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from ktlong.tinymodel import make_config
+
+    monkeypatch.setattr(weights, "MLP_BLOCK_FLOATS", 3000)  # slices of 64 intermediate columns
+    torch.manual_seed(1)
+    cfg = make_config("llama", hidden=48, intermediate=200)
+    cfg.mlp_bias = True
+    stock = LlamaMLP(cfg).eval()
+    if half is not None:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(stock, name)
+            lin.weight.data = lin.weight.data.to(half).float()
+    mlp = nn.Sequential(stock)
+    assert weights.gate_mlps_in_place(mlp) == 1
+    if half is not None:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp[0], name)
+            setattr(mlp[0], name, HalfLinear(lin.weight.detach(), lin.bias.detach(), half))
+    x = torch.randn(1, rows, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x), stock(x), rtol=1e-5, atol=1e-5)
