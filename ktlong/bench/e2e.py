@@ -146,14 +146,8 @@ def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, thread
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     if runtime.startswith("ktlong-"):
-        import numpy as np
-
         import ktlong.engine  # noqa: F401
-        from ktlong import kernels
-
-        # Numba's runtime (LLVM, its allocator) starts with the first kernel call: ~50 MB of code
-        # and tables, loaded once per process whatever the model, like llama.cpp's library
-        kernels.gemv(np.zeros((4, 2), np.float32), np.zeros(2, np.float32), 0)
+        import ktlong.kernels  # noqa: F401
     elif runtime.startswith("llamacpp"):
         import llama_cpp  # noqa: F401
     baseline = peak_rss(reset=True)
