@@ -320,10 +320,14 @@ def pick_device(name: str = "AUTO") -> Any:
     return torch.device("cpu")
 
 
-def _stored_half(spec: ModelSpec) -> str | None:
+def _stored_half(spec: ModelSpec, config: Any) -> str | None:
     """The 16-bit torch dtype that holds a checkpoint's weights (without loss where one can):
-    float16 for F16 files, bfloat16 for BF16 and quantised ones; None when all are F32/F64."""
+    float16 for F16 files, bfloat16 for BF16 and quantised ones; None when all are F32/F64.
+    Pickle weights have no header to read: config.json's dtype says."""
     types = {t.upper() for t in spec.weight_types} - {"PICKLE"}
+    if not types:
+        own = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+        return own if own in ("bfloat16", "float16") else None
     if types <= {"F32", "F64"}:
         return None
     return "float16" if types <= {"F32", "F64", "F16"} else "bfloat16"
@@ -371,7 +375,7 @@ def load_model(
         folder = spec.path
         config = AutoConfig.from_pretrained(folder, **kw)
         kw["use_safetensors"] = not allow_pickle
-    stored = _stored_half(spec)
+    stored = _stored_half(spec, config)
     if dev.type == "cpu":
         half = stored if weight_type == "AUTO" else HALF_TYPES[weight_type]
         compute = getattr(torch, dtype or "float32")

@@ -63,19 +63,13 @@ class HalfLinear(nn.Module):
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] f32 -> [rows, out] f32, widening SCRATCH_FLOATS weights at a time."""
         n, k = self.out_features, self.in_features
-        half = self.bits.view(self.half)
         rb = max(1, min(n, SCRATCH_FLOATS // k))
-        buf = _scratch(rb * k)
-        if rb == n:
-            w = buf[: n * k].view(n, k)
-            w.copy_(half)
-            return F.linear(x, w)
+        if rb == n:  # one block: no output copy
+            return F.linear(x, _block(self, 0, n, 0, k))
         y = torch.empty(x.shape[0], n)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
-            w = buf[: (r1 - r0) * k].view(r1 - r0, k)
-            w.copy_(half[r0:r1])
-            y[:, r0:r1] = F.linear(x, w)
+            y[:, r0:r1] = F.linear(x, _block(self, r0, r1, 0, k))
         return y
 
 
@@ -156,29 +150,17 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, attr, new)
 
 
-def compact(model: nn.Module, half: torch.dtype, dtype: torch.dtype = torch.float32) -> int:
+def compact(model: nn.Module, half: torch.dtype, dtype: torch.dtype = torch.float32) -> None:
     """Keep `model`'s linear layers and input embedding in `half` (bf16 or fp16) bits; cast
-    everything else to `dtype`. A tied output head shares the embedding's bits. Returns the
-    bytes the 16-bit weights take."""
+    everything else to `dtype`. A tied output head shares the embedding's bits."""
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
-    shared = emb.weight.detach().to(half).view(torch.int16)
-    n_bytes = shared.numel() * 2
-    _replace(model, _module_name(model, emb), HalfEmbedding(shared, half, dtype))
+    shared = emb.weight.detach().to(half).view(torch.int16)  # [vocab, hidden]
+    model.set_input_embeddings(HalfEmbedding(shared, half, dtype))
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear) or (half == torch.bfloat16 and mod.in_features % 2):
             continue
         w = shared if mod is head and tied else mod.weight.detach()
-        new = HalfLinear(w, None if mod.bias is None else mod.bias.detach(), half)
-        _replace(model, name, new)
-        n_bytes += 0 if mod is head and tied else new.bits.numel() * 2
+        _replace(model, name, HalfLinear(w, None if mod.bias is None else mod.bias.detach(), half))
     model.to(dtype)  # norms, biases, rotary buffers; the int16 bits stay as they are
-    return n_bytes
-
-
-def _module_name(root: nn.Module, target: nn.Module) -> str:
-    for name, mod in root.named_modules():
-        if mod is target:
-            return name
-    raise ValueError("module not found in the model")

@@ -145,3 +145,21 @@ def test_gated_mlp_in_slices_equals_the_stock_mlp(half, rows, monkeypatch):
     x = torch.randn(1, rows, 48)
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), stock(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pickle_checkpoint_takes_its_16_bit_type_from_config(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src = hf_model("llama", dtype="bfloat16")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    state = {}
+    for f in src.glob("*.safetensors"):
+        state.update(load_file(f))
+    torch.save(state, tmp_path / "pytorch_model.bin")  # no header to read the dtype from
+    lm = load_model(tmp_path, device="CPU", allow_pickle=True)
+    assert lm.weight_type == "BF16"
+    assert isinstance(lm.model.lm_head, HalfLinear)
