@@ -456,10 +456,14 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                   min=2, help="Tokens decoded per run (EOS does not stop it).")] = 64,
               runtimes: Annotated[str, typer.Option(
                   help="Runtimes, comma-separated: ktlong-default, ktlong-dense, transformers, "
-                       "llamacpp (flash attention on and off; needs the peers extra).")]
+                       "llamacpp (flash attention on and off; needs the peers extra), or one "
+                       "of llamacpp-fa, llamacpp-nofa.")]
               = "ktlong-default,ktlong-dense,transformers,llamacpp",
               repeats: Annotated[int, typer.Option(
                   min=1, help="Interleaved rounds; medians are reported.")] = 1,
+              decode_runs: Annotated[int, typer.Option(
+                  min=1, help="Decode runs per prefill (the prompt's last token re-fed); "
+                              "the median is reported.")] = 3,
               png: Annotated[Path | None, typer.Option(
                   metavar="FILE", show_default=False,
                   help="Also draw decode tok/s against context (needs matplotlib).")] = None,
@@ -473,9 +477,9 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
     names = [r.strip() for r in runtimes.split(",") if r.strip()]
     command = (f"ktlong bench e2e --contexts {contexts} --new-tokens {new_tokens} "
                f"--runtimes {','.join(names)}{f' --repeats {repeats}' if repeats > 1 else ''}"
-               f"{f' --threads {threads}' if threads else ''}")
+               f" --decode-runs {decode_runs}{f' --threads {threads}' if threads else ''}")
     e2e.main(_lengths(contexts), new_tokens, threads, as_json, png, names, repeats,
-             command=command)
+             command=command, decode_runs=decode_runs)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,9 +13,10 @@ TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=
 
 def test_bench_e2e_json(capsys: pytest.CaptureFixture[str]) -> None:
     e2e.main([512], new_tokens=4, threads=1, as_json=True,
-             runtimes=["ktlong-dense", "transformers", "llamacpp"], shape=TINY)
+             runtimes=["ktlong-dense", "transformers", "llamacpp"], shape=TINY, decode_runs=2)
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == TINY and data["threads"] == 1 and data["new_tokens"] == 4
+    assert data["decode_runs"] == 2
     rows = {r["runtime"]: r for r in data["rows"]}
     for name in ("ktlong-dense", "transformers"):
         r = rows[name]
@@ -24,6 +25,9 @@ def test_bench_e2e_json(capsys: pytest.CaptureFixture[str]) -> None:
             assert isinstance(r[key], float) and r[key] > 0
         assert r["peak_rss_bytes"] > r["weights_bytes"] > 0 and r["kv_bytes"] > 0
         assert len(r["out"]) == 4
+        # each decode run re-feeds the prompt's last token, then decodes 3 more
+        assert [w[0] for w in r["windows"]] == [3, 3] and len(r["decode_tok_s_runs"]) == 2
+        assert min(r["decode_tok_s_runs"]) <= r["decode_tok_s"] <= max(r["decode_tok_s_runs"])
     assert rows["ktlong-dense"]["out"] == rows["transformers"]["out"]
     assert rows["ktlong-dense"]["same_ids_as_transformers"] == 4
     assert rows["ktlong-dense"]["attended_share"] == 1.0
@@ -38,3 +42,25 @@ def test_bench_e2e_unknown_runtime() -> None:
 
     with pytest.raises(KtlongError):
         e2e.main([512], runtimes=["vllm"], shape=TINY)
+
+
+def test_bench_e2e_one_llamacpp_mode() -> None:
+    assert e2e._expand(["llamacpp-nofa"], have_llamacpp=True) == ["llamacpp-nofa"]
+    assert e2e._expand(["llamacpp"], have_llamacpp=True) == ["llamacpp-fa", "llamacpp-nofa"]
+    assert e2e._expand(["llamacpp-fa", "ktlong-default"], have_llamacpp=False) == [
+        "ktlong-default"]
+
+
+def test_bench_e2e_failed_worker_is_a_row() -> None:
+    """A worker that dies (the OOM killer at a long context, say) gives a `failed` row saying
+    why, so the other runtimes' rows are kept."""
+    import subprocess
+
+    killed = subprocess.CompletedProcess([], -9, "", "")
+    row = e2e._parse(killed, "transformers", 131072)
+    assert row == dict(runtime="transformers", context=131072, status="failed",
+                       note="killed by signal 9 (out of memory?)")
+    crashed = subprocess.CompletedProcess([], 1, "", "Traceback ...\nMemoryError: boom\n")
+    assert e2e._parse(crashed, "llamacpp-fa", 512)["note"] == "MemoryError: boom"
+    ok = subprocess.CompletedProcess([], 0, 'log\n{"status": "ok"}\n', "")
+    assert e2e._parse(ok, "x", 1) == {"status": "ok"}

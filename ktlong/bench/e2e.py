@@ -11,6 +11,9 @@ medians are reported.
 Timing, the same for every runtime: prefill is the time to the first sampled token (one forward of
 the prompt); decode is the time from that token to the last, i.e. `new_tokens - 1` one-token
 forwards plus sampling, greedy, with EOS treated as an ordinary token (nobody stops early).
+Decode is run `decode_runs` times from the same prompt (the prompt's last token re-fed over the
+kept KV of the rest, the same for every runtime) and the median is reported: one window of a
+second or two moves by a third on a shared machine, and a long prefill cannot be repeated cheaply.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from ktlong.bench.rss import peak_rss
 # A 1B-class layer (TinyLlama's width, head_dim 128, GQA 16/4): per layer, weights and the KV a
 # decode step reads stand in the proportion of real models; two layers so 64K prefills in minutes.
 BENCH_SHAPE = dict(layers=2, hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
-RUNTIMES = ("ktlong-default", "ktlong-dense", "transformers", "llamacpp")
+RUNTIMES = ("ktlong-default", "ktlong-dense", "transformers", "llamacpp", "llamacpp-fa",
+            "llamacpp-nofa")
 PEERS_HINT = "pip install 'ktlong[peers]' (llama-cpp-python builds from source)"
 
 
@@ -45,7 +49,13 @@ def _llamacpp_available() -> bool:
 
 
 # --- workers (one runtime, one context, in a fresh process) -----------------------------------
-def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int) -> dict:
+def _window(stamps: list[float]) -> list[float]:
+    """[tokens, seconds] of one decode run: from its first sampled token to its last."""
+    return [len(stamps) - 1, stamps[-1] - stamps[0]]
+
+
+def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int,
+                runs: int) -> dict:
     import dataclasses
 
     from ktlong.config import resolve_settings
@@ -69,18 +79,26 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
     session = Session(lm, st)
     t0 = time.perf_counter()
     session.prefill(ids)
-    out, stamps, share = [], [], 1.0
-    for step in session.generate(Sampling(max_new_tokens=new)):
-        stamps.append(time.perf_counter())
-        out.append(step.token_id)
-        share = step.stats.attended_share
+    windows, share = [], 1.0
+    for r in range(runs):
+        if r:  # the prompt again: its last token re-fed over the kept KV of the rest
+            session.truncate(len(ids) - 1)
+            session.prefill(ids[-1:])
+        out, stamps = [], []
+        for step in session.generate(Sampling(max_new_tokens=new)):
+            stamps.append(time.perf_counter())
+            out.append(step.token_id)
+            share = step.stats.attended_share
+        windows.append(_window(stamps))
+        if r == 0:
+            first = (stamps[0], out, session.store.nbytes_used())
     return dict(
-        t0=t0, stamps=stamps, out=out, weights_bytes=weights,
-        kv_bytes=session.store.nbytes_used(), attended_share=share, threads=session.threads,
+        t0=t0, first=first[0], out=first[1], windows=windows, weights_bytes=weights,
+        kv_bytes=first[2], attended_share=share, threads=session.threads,
     )
 
 
-def _run_transformers(model: str, ids: list[int], new: int, threads: int) -> dict:
+def _run_transformers(model: str, ids: list[int], new: int, threads: int, runs: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache, LogitsProcessor
 
@@ -98,22 +116,30 @@ def _run_transformers(model: str, ids: list[int], new: int, threads: int) -> dic
             return scores
 
     cache = DynamicCache()
+    windows = []
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        seq = stock.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
-            pad_token_id=0, past_key_values=cache, logits_processor=[Stamp()],
-        )
+    for r in range(runs):
+        if r:  # the prompt again: generate feeds only the tokens the cache lacks (the last)
+            cache.crop(len(ids) - 1 - cache.get_seq_length())  # < 0: drop that many
+            stamps.clear()
+        with torch.inference_mode():
+            seq = stock.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,
+                pad_token_id=0, past_key_values=cache, logits_processor=[Stamp()],
+            )
+        windows.append(_window(stamps))
+        if r == 0:
+            first = (stamps[0], seq[0, len(ids):].tolist())
     cfg = stock.config
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 * (len(ids) + new)
     return dict(
-        t0=t0, stamps=stamps, out=seq[0, len(ids):].tolist(), weights_bytes=weights, kv_bytes=kv,
+        t0=t0, first=first[0], out=first[1], windows=windows, weights_bytes=weights, kv_bytes=kv,
     )
 
 
 def _run_llamacpp(
-    gguf: str, model: str, ids: list[int], new: int, threads: int, flash: bool
+    gguf: str, model: str, ids: list[int], new: int, threads: int, flash: bool, runs: int
 ) -> dict:
     import llama_cpp
 
@@ -121,24 +147,32 @@ def _run_llamacpp(
         model_path=gguf, n_ctx=len(ids) + new + 16, n_batch=512, n_threads=threads,
         n_threads_batch=threads, flash_attn=flash, n_gpu_layers=0, verbose=False,
     )
-    stamps: list[float] = []
-    out: list[int] = []
+    windows = []
     t0 = time.perf_counter()
-    # generate() never stops by itself (EOS handling lives in create_completion); greedy via top_k 1
-    for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        stamps.append(time.perf_counter())
-        out.append(int(tok))
-        if len(out) == new:
-            break
+    for r in range(runs):  # a repeat keeps the prompt's KV but its last token (prefix match)
+        stamps: list[float] = []
+        out: list[int] = []
+        # generate() never stops by itself (EOS lives in create_completion); greedy via top_k 1
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
+                                reset=True):
+            stamps.append(time.perf_counter())
+            out.append(int(tok))
+            if len(out) == new:
+                break
+        windows.append(_window(stamps))
+        if r == 0:
+            first = (stamps[0], out)
     cfg = json.loads((Path(model) / "config.json").read_text())  # F16 KV: 2 bytes per value
     kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
     return dict(
-        t0=t0, stamps=stamps, out=out, weights_bytes=Path(gguf).stat().st_size,
+        t0=t0, first=first[0], out=first[1], windows=windows,
+        weights_bytes=Path(gguf).stat().st_size,
         kv_bytes=kv * (len(ids) + new),
     )
 
 
-def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, threads: int) -> dict:
+def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, threads: int,
+            runs: int = 1) -> dict:
     ids = json.loads(Path(ids_file).read_text())
     # the process's own footprint before any weights: interpreter, torch, transformers' Llama code
     # (and ktlong's kernels for ktlong), so peak RSS - baseline is what the runtime itself adds
@@ -152,20 +186,21 @@ def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, thread
         import llama_cpp  # noqa: F401
     baseline = peak_rss(reset=True)
     if runtime.startswith("ktlong-"):
-        r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads)
+        r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads, runs)
     elif runtime == "transformers":
-        r = _run_transformers(model, ids, new, threads)
+        r = _run_transformers(model, ids, new, threads, runs)
     elif runtime.startswith("llamacpp"):
-        r = _run_llamacpp(gguf, model, ids, new, threads, flash=runtime == "llamacpp-fa")
+        r = _run_llamacpp(gguf, model, ids, new, threads, runtime == "llamacpp-fa", runs)
     else:
         raise ValueError(f"unknown runtime {runtime}")
-    stamps, n = r.pop("stamps"), len(ids)
-    prefill_s = stamps[0] - r.pop("t0")
-    decode_s = stamps[-1] - stamps[0]
+    n = len(ids)
+    prefill_s = r.pop("first") - r.pop("t0")
+    rates = [k / s if s > 0 else 0.0 for k, s in r["windows"]]
     return dict(
         runtime=runtime, context=n, status="ok", new_tokens=len(r["out"]),
         prefill_s=prefill_s, prefill_tok_s=n / prefill_s,
-        decode_s=decode_s, decode_tok_s=(len(stamps) - 1) / decode_s if decode_s > 0 else 0.0,
+        decode_s=statistics.median(s for _, s in r["windows"]),
+        decode_tok_s=statistics.median(rates), decode_tok_s_runs=rates,
         peak_rss_bytes=peak_rss(), baseline_rss_bytes=baseline, **r,
     )
 
@@ -178,8 +213,8 @@ def _expand(runtimes: list[str], have_llamacpp: bool) -> list[str]:
             from ktlong.errors import KtlongError
 
             raise KtlongError(f"--runtimes: unknown runtime {r!r}", hint=f"choose from {RUNTIMES}")
-        if r == "llamacpp":
-            out += ["llamacpp-fa", "llamacpp-nofa"] if have_llamacpp else []
+        if r.startswith("llamacpp"):
+            out += ([r] if "-" in r else ["llamacpp-fa", "llamacpp-nofa"]) if have_llamacpp else []
         else:
             out.append(r)
     return out
@@ -196,9 +231,22 @@ def _median_row(rows: list[dict]) -> dict:
     return out
 
 
+def _parse(proc: subprocess.CompletedProcess, name: str, n: int) -> dict:
+    """A worker's JSON row, or a `failed` row saying why (one runtime's failure, an OOM kill
+    say, must not lose the others' rows)."""
+    if proc.returncode == 0:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    if proc.returncode < 0:
+        why = f"killed by signal {-proc.returncode}" + (" (out of memory?)"
+                                                         if proc.returncode == -9 else "")
+    else:
+        why = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return dict(runtime=name, context=n, status="failed", note=why)
+
+
 def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         repeats: int = 1, shape: dict[str, int] | None = None,
-        log: Any = None) -> dict[str, Any]:
+        log: Any = None, decode_runs: int = 1) -> dict[str, Any]:
     """Measure every runtime at every context; returns {threads, model, rows}."""
     from transformers import AutoTokenizer
 
@@ -207,7 +255,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
     shape = dict(shape or BENCH_SHAPE)
     # 0: ktlong picks the idle cores itself (its default); the peers get every core
     peer_threads = threads or os.cpu_count() or 1
-    have_llamacpp = "llamacpp" in runtimes and _llamacpp_available()
+    wants_llamacpp = any(r.startswith("llamacpp") for r in runtimes)
+    have_llamacpp = wants_llamacpp and _llamacpp_available()
     names = _expand(runtimes, have_llamacpp)
     tmp = tempfile.TemporaryDirectory(prefix="ktlong-e2e-")
     root = Path(tmp.name)
@@ -228,7 +277,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         ids_files[n].write_text(json.dumps(ids[:n]))
     if any(name.startswith("ktlong") for name in names):  # compile kernels: measure cached runs
         subprocess.run([sys.executable, "-m", "ktlong.bench.e2e", "ktlong-default", str(hf),
-                        str(gguf), str(ids_files[min(contexts)]), "4", str(threads)],
+                        str(gguf), str(ids_files[min(contexts)]), "4", str(threads), "1"],
                        capture_output=True, check=False)
     raw: dict[tuple[str, int], list[dict]] = {}
     for _ in range(repeats):
@@ -239,13 +288,10 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                 proc = subprocess.run(
                     [sys.executable, "-m", "ktlong.bench.e2e", name, str(hf), str(gguf),
                      str(ids_files[n]), str(new_tokens),
-                     str(threads if name.startswith("ktlong") else peer_threads)],
+                     str(threads if name.startswith("ktlong") else peer_threads), str(decode_runs)],
                     capture_output=True, text=True,
                 )
-                if proc.returncode != 0:
-                    err = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                    raise RuntimeError(f"{name} at {n}: {err}")
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                row = _parse(proc, name, n)
                 if log:
                     log(json.dumps({k: v for k, v in row.items() if k != "out"}))
                 raw.setdefault((name, n), []).append(row)
@@ -253,8 +299,9 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
     for n in contexts:
         ref = raw.get(("transformers", n), [{}])[0].get("out")
         for name in names:
-            row = _median_row(raw[(name, n)])
-            if ref is not None and name != "transformers":
+            ok = [r for r in raw[(name, n)] if r["status"] == "ok"]
+            row = _median_row(ok) if ok else raw[(name, n)][0]
+            if ref is not None and ok and name != "transformers":
                 same = 0
                 for a, b in zip(row["out"], ref, strict=False):
                     if a != b:
@@ -262,17 +309,17 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                     same += 1
                 row["same_ids_as_transformers"] = same
             rows.append(row)
-        if "llamacpp" in runtimes and not have_llamacpp:
+        if wants_llamacpp and not have_llamacpp:
             rows.append(dict(runtime="llamacpp", context=n, status="not installed",
                              note=PEERS_HINT))
     tmp.cleanup()
     return {"threads": threads or f"{peer_threads} (ktlong: idle cores)",
-            "new_tokens": new_tokens, "model": shape, "rows": rows}
+            "new_tokens": new_tokens, "decode_runs": decode_runs, "model": shape, "rows": rows}
 
 
 def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: bool = False,
          png: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
-         shape: dict[str, int] | None = None, command: str = "") -> None:
+         shape: dict[str, int] | None = None, command: str = "", decode_runs: int = 1) -> None:
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -284,8 +331,8 @@ def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: b
 
             raise KtlongError("--png needs matplotlib", hint="pip install 'ktlong[plot]'") from None
     log = console.log  # progress on stderr, also under --json
-    data = run(sorted(contexts), new_tokens, threads, list(runtimes or RUNTIMES), repeats, shape,
-               log)
+    data = run(sorted(contexts), new_tokens, threads, list(runtimes or RUNTIMES[:4]), repeats,
+               shape, log, decode_runs)
     if png is not None:
         _plot(data, png, command)
     if as_json:
@@ -307,7 +354,8 @@ def print_table(data: dict[str, Any]) -> None:
         table.add_column(col, justify="right")
     for r in data["rows"]:
         if r["status"] != "ok":
-            table.add_row(f"{r['context']:,}", r["runtime"], r["status"], *[""] * 6)
+            table.add_row(f"{r['context']:,}", r["runtime"], r["status"], *[""] * 5,
+                          r.get("note", ""))
             continue
         wk = r["weights_bytes"] + (r["kv_bytes"] or 0)
         share = r.get("attended_share")
@@ -355,6 +403,6 @@ def _plot(data: dict[str, Any], png: Path, command: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # a worker: python -m ktlong.bench.e2e RUNTIME HF GGUF IDS NEW THREADS
+if __name__ == "__main__":  # a worker: python -m ktlong.bench.e2e RUNTIME HF GGUF IDS NEW THREADS N
     a = sys.argv[1:]
-    print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]))))
+    print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]))))
