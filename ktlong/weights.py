@@ -4,7 +4,7 @@ A one-token forward reads every weight once, so decode on the CPU is bound by we
 `compact` swaps a loaded model's linear layers (and its embedding table) for modules that keep the
 16-bit bits and never hold a float32 copy:
 - one input row (decode): the Numba GEMV widens the bits in registers (kernels/gemv.py);
-- more rows (prefill): the weight is widened a block of rows at a time into a reused 16 MB scratch
+- more rows (prefill): the weight is widened a block of rows at a time into a reused 4 MB scratch
   and multiplied by torch (a compute-bound GEMM, where the widening costs little).
 Activations stay in the model's compute dtype (float32 on the CPU).
 """
@@ -20,7 +20,7 @@ from torch import nn
 from ktlong import kernels
 
 KINDS = {torch.bfloat16: kernels.KV_KINDS["BF16"], torch.float16: kernels.KV_KINDS["FP16"]}
-SCRATCH_FLOATS = 1 << 22  # float32 elements of one widened block of weight rows (16 MB)
+SCRATCH_FLOATS = 1 << 20  # float32 elements of one widened block of weight rows (4 MB)
 
 _local = threading.local()
 
@@ -116,7 +116,8 @@ class GatedMLP(nn.Module):
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         x2 = x.reshape(rows, -1).to(torch.float32)  # [rows, hidden]
         hidden, inter = down.out_features, down.in_features
-        step = max(64, MLP_BLOCK_FLOATS // rows)
+        # a slice's [rows, step] activations and its widened [hidden, step] down block both small
+        step = max(64, min(MLP_BLOCK_FLOATS // rows, SCRATCH_FLOATS // hidden))
         out = torch.zeros(rows, hidden)
         for j0 in range(0, inter, step):
             j1 = min(inter, j0 + step)
