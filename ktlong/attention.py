@@ -20,7 +20,7 @@ from ktlong.kvstore import KV_TYPES, KVStore
 from ktlong.model import ATTN_IMPLEMENTATION
 
 TILE_ELEMS = 1 << 24  # max floats in one [Hkv, g*L, T] score tile (64 MB)
-PAST_SEGMENT_ELEMS = 1 << 18  # max floats of past K per fused-kernel call (1 MB; V as much)
+PAST_SEGMENT_ELEMS = 1 << 20  # max floats of past K per fused-kernel call (4 MB; V as much)
 # torch's fused CPU flash attention returning (out, logsumexp); private, so looked up defensively
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
