@@ -463,7 +463,7 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                   min=1, help="Interleaved rounds; medians are reported.")] = 1,
               decode_runs: Annotated[int, typer.Option(
                   min=1, help="Decode runs per prefill (the prompt's last token re-fed); "
-                              "the median is reported.")] = 3,
+                              "the median is reported.")] = 3,  # e2e.DECODE_RUNS
               png: Annotated[Path | None, typer.Option(
                   metavar="FILE", show_default=False,
                   help="Also draw decode tok/s against context (needs matplotlib).")] = None,

@@ -100,7 +100,7 @@ def _block(lin: nn.Module, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """A SiLU-gated MLP (Llama, Qwen, Mistral) that never holds the whole [rows, intermediate]
     activations: with several rows it runs over slices of the intermediate dimension (gate and up
-    rows, down columns), so a 1024-token prefill chunk holds 4 MB slices instead of four full
+    rows, down columns), so a 1024-token prefill chunk holds slices of at most 4 MB, not four full
     [rows, intermediate] tensors. One row (decode) goes straight through, in place."""
 
     def __init__(self, mlp: nn.Module) -> None:

@@ -35,6 +35,7 @@ from ktlong.bench.rss import peak_rss
 BENCH_SHAPE = dict(layers=2, hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
 RUNTIMES = ("ktlong-default", "ktlong-dense", "transformers", "llamacpp", "llamacpp-fa",
             "llamacpp-nofa")
+DECODE_RUNS = 3  # decode runs per prefill; the median is reported
 PEERS_HINT = "pip install 'ktlong[peers]' (llama-cpp-python builds from source)"
 
 
@@ -246,7 +247,7 @@ def _parse(proc: subprocess.CompletedProcess, name: str, n: int) -> dict:
 
 def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         repeats: int = 1, shape: dict[str, int] | None = None,
-        log: Any = None, decode_runs: int = 1) -> dict[str, Any]:
+        log: Any = None, decode_runs: int = DECODE_RUNS) -> dict[str, Any]:
     """Measure every runtime at every context; returns {threads, model, rows}."""
     from transformers import AutoTokenizer
 
@@ -277,7 +278,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         ids_files[n].write_text(json.dumps(ids[:n]))
     if any(name.startswith("ktlong") for name in names):  # compile kernels: measure cached runs
         warm_ids = root / "ids-warm.json"  # a short prompt: the fill must not prefill 128K
-        warm_ids.write_text(json.dumps(json.loads(ids_files[min(contexts)].read_text())[:1024]))
+        warm_ids.write_text(json.dumps(ids[:1024]))  # the last tokenized prompt's start
         subprocess.run([sys.executable, "-m", "ktlong.bench.e2e", "ktlong-default", str(hf),
                         str(gguf), str(warm_ids), "4", str(threads), "1"],
                        capture_output=True, check=False)
@@ -321,7 +322,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
 
 def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: bool = False,
          png: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
-         shape: dict[str, int] | None = None, command: str = "", decode_runs: int = 1) -> None:
+         shape: dict[str, int] | None = None, command: str = "",
+         decode_runs: int = DECODE_RUNS) -> None:
     from rich.console import Console
 
     console = Console(stderr=True)
