@@ -20,7 +20,7 @@ from ktlong.kvstore import KV_TYPES, KVStore
 from ktlong.model import ATTN_IMPLEMENTATION
 
 TILE_ELEMS = 1 << 24  # max floats in one [Hkv, g*L, T] score tile (64 MB)
-PAST_SEGMENT_ELEMS = 1 << 20  # max floats of past K per fused-kernel call (4 MB; V as much)
+PAST_SEGMENT_ELEMS = 1 << 19  # max floats of one head's past K per fused-kernel call (2 MB)
 # torch's fused CPU flash attention returning (out, logsumexp); private, so looked up defensively
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -89,10 +89,10 @@ class AttentionRouter:
     ) -> torch.Tensor:
         """q `[Hq, L, d]`, k, v `[Hkv, L, d]` -> attention output `[Hq, L, d]` float32."""
         start = self.store.write(layer, k, v)
-        if self.capture:
+        if self.capture:  # only the last rows are copied: the chunk's q is the layer's biggest
             prev = self.captured.get(layer)
-            qc = q.detach().float().cpu()
-            self.captured[layer] = (qc if prev is None else torch.cat([prev, qc], 1))[
+            qc = q[:, -self.capture :].to("cpu", torch.float32, copy=True)  # [Hq, <= W, d]
+            self.captured[layer] = qc if prev is None else torch.cat([prev, qc], 1)[
                 :, -self.capture :
             ]
         if self.sparse:
@@ -132,28 +132,34 @@ class AttentionRouter:
         return self._dense_tiled(layer, q, start, scale)
 
     def _dense_flash(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-        """torch's fused CPU flash kernel, which also returns the log-sum-exp: the past in
-        segments (GQA folded into query rows, so K is never repeated), then the causal chunk."""
+        """torch's fused CPU flash kernel, which also returns the log-sum-exp: one KV head at a
+        time (its query heads folded into rows, so K is never repeated and the temporaries are a
+        head's, not the layer's), over the past in segments, then the causal chunk."""
         Hq, L, d = q.shape
         Hkv = self.store.shape.n_kv_heads
         g = Hq // Hkv
-        q = q.float()
-        qf = q.reshape(1, Hkv, g * L, d)  # row j*L + i: head kv*g + j, token i
-        out = lse = None
-        seg = max(1024, PAST_SEGMENT_ELEMS // (Hkv * d))
-        for t0 in range(0, start, seg):
-            k, v = self.store.token_range(layer, t0, min(start, t0 + seg))  # [Hkv, T, d]
-            o, lo = _FLASH_CPU(qf, k[None], v[None], 0.0, False, scale=scale)[:2]
-            out, lse = (o, lo) if out is None else _merge(out, lse, o, lo)
-        k, v = self.store.token_range(layer, start, start + L)  # this chunk: causal square
-        oc = torch.empty(1, Hkv, g * L, d)
-        lc = torch.empty(1, Hkv, g * L)
-        for j in range(g):  # query heads kv*g + j: one causal call each, K and V not repeated
-            rows = slice(j * L, (j + 1) * L)
-            o, lo = _FLASH_CPU(qf[:, :, rows], k[None], v[None], 0.0, True, scale=scale)[:2]
-            oc[:, :, rows], lc[:, :, rows] = o, lo
-        out, lse = (oc, lc) if out is None else _merge(out, lse, oc, lc)
-        return out.reshape(Hq, L, d)
+        out = torch.empty(L, Hq, d)  # token-major: the caller's [1, L, Hq * d] is a free view
+        seg = max(1024, PAST_SEGMENT_ELEMS // d)
+        for h in range(Hkv):
+            heads = slice(h * g, (h + 1) * g)
+            qh = q[heads].float().reshape(1, 1, g * L, d)  # row j*L + i: head h*g + j, token i
+            o = lse = None
+            for t0 in range(0, start, seg):
+                k, v = self.store.token_range(layer, t0, min(start, t0 + seg), slice(h, h + 1))
+                op, lp = _FLASH_CPU(qh, k[None], v[None], 0.0, False, scale=scale)[:2]
+                o, lse = (op, lp) if o is None else _merge(o, lse, op, lp)
+            oc = torch.empty(1, 1, g * L, d)  # the causal square, one query head per call
+            lc = torch.empty(1, 1, g * L)
+            kh, vh = self.store.token_range(layer, start, start + L, slice(h, h + 1))  # [1, L, d]
+            kh, vh = kh[None], vh[None]
+            for j in range(g):
+                rows = slice(j * L, (j + 1) * L)
+                oc[:, :, rows], lc[:, :, rows] = _FLASH_CPU(
+                    qh[:, :, rows], kh, vh, 0.0, True, scale=scale
+                )[:2]
+            o = oc if o is None else _merge(o, lse, oc, lc)[0]
+            out[:, heads] = o.view(g, L, d).transpose(0, 1)
+        return out.transpose(0, 1)  # [Hq, L, d]
 
     def _dense_tiled(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """Any device: tiles of the past + chunk with an online softmax (no fused kernel)."""

@@ -180,19 +180,22 @@ class KVStore:
         self._file_rss0 = _file_rss()
 
     # --- reading -----------------------------------------------------------------------------
-    def token_range(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of tokens [start, end) as float32 tensors `[Hkv, end - start, d]` (copies)."""
+    def token_range(
+        self, layer: int, start: int, end: int, heads: slice = slice(None)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of tokens [start, end) of KV heads `heads` as float32 tensors
+        `[heads, end - start, d]` (copies)."""
         H, d = self.shape.n_kv_heads, self.shape.head_dim
         split = self.nb_base * self.shape.block_size
         parts_k, parts_v = [], []
         if start < split:
             e = min(end, split)
-            parts_k.append(self.k_base[layer].reshape(H, -1, d)[:, start:e])
-            parts_v.append(self.v_base[layer].reshape(H, -1, d)[:, start:e])
+            parts_k.append(self.k_base[layer].reshape(H, -1, d)[heads, start:e])
+            parts_v.append(self.v_base[layer].reshape(H, -1, d)[heads, start:e])
         if end > split:
             s = max(start, split) - split
-            parts_k.append(self.k_tail[layer].reshape(H, -1, d)[:, s : end - split])
-            parts_v.append(self.v_tail[layer].reshape(H, -1, d)[:, s : end - split])
+            parts_k.append(self.k_tail[layer].reshape(H, -1, d)[heads, s : end - split])
+            parts_v.append(self.v_tail[layer].reshape(H, -1, d)[heads, s : end - split])
         kt = [from_storage(p, self.shape.kv_type) for p in parts_k]
         vt = [from_storage(p, self.shape.kv_type) for p in parts_v]
         if start < split:

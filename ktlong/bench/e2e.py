@@ -36,6 +36,9 @@ BENCH_SHAPE = dict(layers=2, hidden=2048, heads=16, kv_heads=4, head_dim=128, in
 RUNTIMES = ("ktlong-default", "ktlong-dense", "transformers", "llamacpp", "llamacpp-fa",
             "llamacpp-nofa")
 DECODE_RUNS = 3  # decode runs per prefill; the median is reported
+# the warm-up model: BENCH_SHAPE's dtypes and head_dim, so it runs the same compiled kernels
+TINY_SHAPE = dict(layers=1, hidden=256, heads=4, kv_heads=1, head_dim=128, intermediate=512)
+WARM_TOKENS = 512
 PEERS_HINT = "pip install 'ktlong[peers]' (llama-cpp-python builds from source)"
 
 
@@ -70,13 +73,6 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
     ).settings
     weights = sum(t.numel() * t.element_size()
                   for t in (*lm.model.parameters(), *lm.model.buffers()) if t.dim() > 1)
-    warm = dataclasses.replace(  # compile every kernel the timed run uses (sparse path too)
-        st, max_seq_len=600, block_size=16, init_len=16, local_windows_len=64, second_select_num=4
-    )
-    w = Session(lm, warm)
-    w.prefill(ids[:512])
-    list(w.generate(Sampling(max_new_tokens=3)))
-    del w
     session = Session(lm, st)
     t0 = time.perf_counter()
     session.prefill(ids)
@@ -172,19 +168,61 @@ def _run_llamacpp(
     )
 
 
-def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, threads: int,
-            runs: int = 1) -> dict:
-    ids = json.loads(Path(ids_file).read_text())
-    # the process's own footprint before any weights: interpreter, torch, transformers' Llama code
-    # (and ktlong's kernels for ktlong), so peak RSS - baseline is what the runtime itself adds
-    import torch  # noqa: F401
-    import transformers.models.llama.modeling_llama  # noqa: F401
-
+def _warm(runtime: str, tiny: str, ids: list[int], threads: int) -> None:
+    """Run the runtime once on the tiny model of the same dtypes (`tiny`: its HF folder, with its
+    GGUF beside it): code, compiled kernels, thread pools and allocator set-up are then loaded,
+    so they fall in the baseline and not in what the benchmark model adds."""
+    ids = ids[:WARM_TOKENS]
     if runtime.startswith("ktlong-"):
-        import ktlong.engine  # noqa: F401
-        import ktlong.kernels  # noqa: F401
-    elif runtime.startswith("llamacpp"):
-        import llama_cpp  # noqa: F401
+        import dataclasses
+
+        from ktlong.config import resolve_settings
+        from ktlong.engine import Sampling, Session
+        from ktlong.model import load_model
+
+        lm = dataclasses.replace(load_model(tiny, device="CPU"), eos_ids=())
+        st = resolve_settings(  # a budget smaller than the prompt: the sparse kernels run too
+            runtime.split("-", 1)[1], {"max_seq_len": WARM_TOKENS + 16, "threads_num": threads,
+                                       "block_size": 16, "init_len": 16, "local_windows_len": 64,
+                                       "second_select_num": 4}, config_file=False,
+        ).settings
+        session = Session(lm, st)
+        session.prefill(ids)
+        list(session.generate(Sampling(max_new_tokens=3)))
+    elif runtime == "transformers":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        stock = AutoModelForCausalLM.from_pretrained(
+            tiny, attn_implementation="sdpa", dtype=torch.float32
+        ).eval()
+        with torch.inference_mode():
+            stock.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False,
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           pad_token_id=0)
+    else:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(
+            model_path=str(Path(tiny).with_suffix(".gguf")), n_ctx=WARM_TOKENS + 16,
+            n_threads=threads, n_threads_batch=threads, flash_attn=runtime == "llamacpp-fa",
+            n_gpu_layers=0, verbose=False,
+        )
+        for i, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True)):
+            if i == 2:
+                break
+    import gc
+
+    gc.collect()
+
+
+def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, threads: int,
+            runs: int, tiny: str) -> dict:
+    ids = json.loads(Path(ids_file).read_text())
+    # the process's own footprint before the benchmark model: interpreter, libraries, and the
+    # runtime run once on a tiny model, so peak RSS - baseline is what this model and context add
+    _warm(runtime, tiny, ids, threads)
     baseline = peak_rss(reset=True)
     if runtime.startswith("ktlong-"):
         r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads, runs)
@@ -265,9 +303,11 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         root / "hf", "llama", max_positions=2 * (max(contexts) + new_tokens + 16),
         dtype="bfloat16", **shape
     )
+    tiny = make_model(root / "tiny", "llama", dtype="bfloat16", **TINY_SHAPE)  # see _warm
     gguf = root / "model-f16.gguf"
     if have_llamacpp:
         write_gguf(hf, gguf, "F16")
+        write_gguf(tiny, tiny.with_suffix(".gguf"), "F16")
     tok = AutoTokenizer.from_pretrained(hf)
     ids_files = {}
     for n in contexts:  # tokenize once; every runtime is fed these ids
@@ -280,7 +320,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         warm_ids = root / "ids-warm.json"  # a short prompt: the fill must not prefill 128K
         warm_ids.write_text(json.dumps(ids[:1024]))  # the last tokenized prompt's start
         subprocess.run([sys.executable, "-m", "ktlong.bench.e2e", "ktlong-default", str(hf),
-                        str(gguf), str(warm_ids), "4", str(threads), "1"],
+                        str(gguf), str(warm_ids), "4", str(threads), "1", str(tiny)],
                        capture_output=True, check=False)
     raw: dict[tuple[str, int], list[dict]] = {}
     for _ in range(repeats):
@@ -291,7 +331,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                 proc = subprocess.run(
                     [sys.executable, "-m", "ktlong.bench.e2e", name, str(hf), str(gguf),
                      str(ids_files[n]), str(new_tokens),
-                     str(threads if name.startswith("ktlong") else peer_threads), str(decode_runs)],
+                     str(threads if name.startswith("ktlong") else peer_threads), str(decode_runs),
+                     str(tiny)],
                     capture_output=True, text=True,
                 )
                 row = _parse(proc, name, n)
@@ -407,6 +448,7 @@ def _plot(data: dict[str, Any], png: Path, command: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # a worker: python -m ktlong.bench.e2e RUNTIME HF GGUF IDS NEW THREADS N
+if __name__ == "__main__":  # a worker: python -m ktlong.bench.e2e RUNTIME HF GGUF IDS NEW THREADS
+    # N TINY
     a = sys.argv[1:]
-    print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]))))
+    print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]), a[7])))
