@@ -92,9 +92,9 @@ class AttentionRouter:
         if self.capture:  # only the last rows are copied: the chunk's q is the layer's biggest
             prev = self.captured.get(layer)
             qc = q[:, -self.capture :].to("cpu", torch.float32, copy=True)  # [Hq, <= W, d]
-            self.captured[layer] = qc if prev is None else torch.cat([prev, qc], 1)[
-                :, -self.capture :
-            ]
+            if prev is not None:  # the window spans two chunks
+                qc = torch.cat([prev, qc], 1)[:, -self.capture :].clone()
+            self.captured[layer] = qc
         if self.sparse:
             return self._sparse(layer, q, k, v, start, scale)
         if self.device.type == "cuda":

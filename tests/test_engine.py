@@ -141,6 +141,25 @@ def test_fused_and_tiled_prefill_attention_agree():
     assert fused.transpose(0, 1).is_contiguous()  # [L, Hq, d]
 
 
+def test_captured_queries_hold_only_their_own_rows():
+    """The prompt's last queries (DYNAMIC anchors, preselection votes) are copies of just those
+    rows, equal to the queries a one-shot prefill captures: a view would keep each layer's whole
+    chunk of queries alive through the prefill."""
+    lm = load_model(hf_model("llama"), device="CPU", dtype="float32")
+    ids = _prompt(lm.tokenizer, 1000)
+    got = {}
+    for chunk in (320, 1000):  # chunked (the window spans two chunks: 1000 % 320 < 64), one shot
+        s = Session(lm, settings(anchor_type="DYNAMIC", chunk_size=chunk))
+        assert s.policy.wants_votes()
+        s.prefill(ids)
+        got[chunk] = s.router.captured
+    window = settings().preselect_window
+    for layer, q in got[320].items():
+        assert q.shape == (lm.spec.n_heads, window, lm.spec.head_dim)
+        assert q.untyped_storage().nbytes() == q.numel() * q.element_size()
+        assert torch.allclose(q, got[1000][layer], atol=1e-5)
+
+
 def test_layer_major_prefill_equals_chunk_major():
     """CUDA prefills layer-major (one layer's KV mirrored on the device), the CPU chunk-major;
     run both orders on the CPU: same logits, same KV store."""

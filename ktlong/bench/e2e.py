@@ -6,7 +6,9 @@ file of the same values. ktlong keeps the BF16 weights (ktlong.weights), transfo
 to float32, llama.cpp reads F16. The prompt is
 tokenized once and the same ids are fed to every runtime. Each measurement runs in a fresh
 subprocess (so its peak RSS is its own); runtimes are interleaved per context and per repeat;
-medians are reported.
+medians are reported. Memory is the worker's peak RSS over its baseline: its RSS after the
+runtime has run once on a tiny model of the same dtypes (TINY_SHAPE), so code, compiled kernels
+and thread pools are the baseline's, for every runtime alike.
 
 Timing, the same for every runtime: prefill is the time to the first sampled token (one forward of
 the prompt); decode is the time from that token to the last, i.e. `new_tokens - 1` one-token
