@@ -64,3 +64,19 @@ def test_bench_e2e_failed_worker_is_a_row() -> None:
     assert e2e._parse(crashed, "llamacpp-fa", 512)["note"] == "MemoryError: boom"
     ok = subprocess.CompletedProcess([], 0, 'log\n{"status": "ok"}\n', "")
     assert e2e._parse(ok, "x", 1) == {"status": "ok"}
+
+
+def test_bench_e2e_baseline_is_read_after_the_warm_up(monkeypatch, tmp_path) -> None:
+    """The baseline is the worker's RSS once the runtime has run the tiny model: what it loads
+    (code, compiled kernels, thread pools) is not charged to the benchmark model."""
+    calls: list[str] = []
+    monkeypatch.setattr(e2e, "_warm", lambda runtime, tiny, ids, threads: calls.append(
+        f"warm {runtime} {tiny} {len(ids)}"))
+    monkeypatch.setattr(e2e, "peak_rss", lambda reset=False: calls.append(f"rss {reset}") or 7)
+    monkeypatch.setattr(e2e, "_run_ktlong", lambda *a: calls.append("run") or dict(
+        t0=0.0, first=1.0, out=[5, 6], windows=[[1, 0.5]], weights_bytes=1, kv_bytes=1))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(600))))
+    row = e2e._worker("ktlong-default", "model", "model.gguf", str(ids), 2, 1, 1, "tiny")
+    assert calls == ["warm ktlong-default tiny 600", "rss True", "run", "rss False"]
+    assert row["baseline_rss_bytes"] == 7 and row["decode_tok_s"] == 2.0
