@@ -20,6 +20,7 @@ second or two moves by a third on a shared machine, and a long prefill cannot be
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -214,8 +215,6 @@ def _warm(runtime: str, tiny: str, ids: list[int], threads: int) -> None:
         for i, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True)):
             if i == 2:
                 break
-    import gc
-
     gc.collect()
 
 
