@@ -150,12 +150,11 @@ class AttentionRouter:
                 o, lse = (op, lp) if o is None else _merge(o, lse, op, lp)
             oc = torch.empty(1, 1, g * L, d)  # the causal square, one query head per call
             lc = torch.empty(1, 1, g * L)
-            kh, vh = self.store.token_range(layer, start, start + L, slice(h, h + 1))  # [1, L, d]
-            kh, vh = kh[None], vh[None]
+            k, v = self.store.token_range(layer, start, start + L, slice(h, h + 1))  # [1, L, d]
             for j in range(g):
                 rows = slice(j * L, (j + 1) * L)
                 oc[:, :, rows], lc[:, :, rows] = _FLASH_CPU(
-                    qh[:, :, rows], kh, vh, 0.0, True, scale=scale
+                    qh[:, :, rows], k[None], v[None], 0.0, True, scale=scale
                 )[:2]
             o = oc if o is None else _merge(o, lse, oc, lc)[0]
             out[:, heads] = o.view(g, L, d).transpose(0, 1)

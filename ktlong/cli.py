@@ -18,6 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from ktlong import __version__
+from ktlong.bench.e2e import DECODE_RUNS  # stdlib-only at import: --help stays fast
 from ktlong.config import FIELDS, Resolved, parse_int, resolve_settings, unknown_key
 from ktlong.errors import KtlongError
 
@@ -463,7 +464,7 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                   min=1, help="Interleaved rounds; medians are reported.")] = 1,
               decode_runs: Annotated[int, typer.Option(
                   min=1, help="Decode runs per prefill (the prompt's last token re-fed); "
-                              "the median is reported.")] = 3,  # e2e.DECODE_RUNS
+                              "the median is reported.")] = DECODE_RUNS,
               png: Annotated[Path | None, typer.Option(
                   metavar="FILE", show_default=False,
                   help="Also draw decode tok/s against context (needs matplotlib).")] = None,

@@ -449,7 +449,6 @@ def _plot(data: dict[str, Any], png: Path, command: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # a worker: python -m ktlong.bench.e2e RUNTIME HF GGUF IDS NEW THREADS
-    # N TINY
+if __name__ == "__main__":  # a worker; argv: RUNTIME HF GGUF IDS NEW THREADS RUNS TINY
     a = sys.argv[1:]
     print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]), a[7])))
