@@ -26,7 +26,7 @@ from ._simd import (
     to_bf16,
     to_f32,
 )
-from ._vec import W, row_addr, vadd, vfma, vhsum, vload, vload2, vmax, vmul, vzero
+from ._vec import W, row_addr, vfma, vhsum, vload, vload2, vzero
 from .attention import channel_perm, pack_rows
 from .threads import use_threads
 
@@ -164,61 +164,62 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _score_range(qp, qs, an, candidates, i0, i1, quest, out):
+def _score_range(qs, an, candidates, i0, i1, out):
     """Scores of candidates[i0:i1] per KV head into out [Hkv, n]; an [Hkv, nb_cap, A, d] (f32 or
-    BF16 bits). qp [Hkv, g, P] packed queries, qs [Hkv, 1, P] their group sums / A. Head by head,
-    so each head's anchors are one sequential stream."""
+    BF16 bits); qs [Hkv, A, P] the packed query sum that multiplies each anchor. Head by head, so
+    each head's anchors are one sequential stream."""
     hkv, na, d = an.shape[0], an.shape[2], an.shape[3]
-    g, ng = qp.shape[1], qp.shape[2] // (2 * W)
+    ng = qs.shape[2] // (2 * W)
     for j in range(hkv):
-        qj, sj = qp[j], qs[j]  # [g, P], [1, P]
+        sj = qs[j]  # [A, P]
         for i in range(i0, i1):
             b = candidates[i]
             acc = vzero()
-            if quest:
-                lo, hi = row_addr(an, j, b, 0), row_addr(an, j, b, 1)
+            for a in range(na):
+                row = row_addr(an, j, b, a)
                 for gi in range(ng):
-                    le, lo_ = vload2(an, lo, d, gi)
-                    he, ho = vload2(an, hi, d, gi)
-                    for h in range(g):
-                        qe, qo = vload(qj, h, 2 * W * gi), vload(qj, h, 2 * W * gi + W)
-                        acc = vadd(acc, vmax(vmul(qe, le), vmul(qe, he)))
-                        acc = vadd(acc, vmax(vmul(qo, lo_), vmul(qo, ho)))
-            else:
-                for a in range(na):
-                    row = row_addr(an, j, b, a)
-                    for gi in range(ng):
-                        e, o = vload2(an, row, d, gi)
-                        acc = vfma(vload(sj, 0, 2 * W * gi), e,
-                                   vfma(vload(sj, 0, 2 * W * gi + W), o, acc))
+                    e, o = vload2(an, row, d, gi)
+                    acc = vfma(vload(sj, a, 2 * W * gi), e,
+                               vfma(vload(sj, a, 2 * W * gi + W), o, acc))
             out[j, i] = vhsum(acc)
 
 
 @njit(nogil=True, cache=True)
-def _score_prep(q, hkv, na, perm, n):
-    """Packed queries [Hkv, g, P], their group sums / A [Hkv, 1, P] and the per-head score array
-    [Hkv, n]; serial, so that no allocation becomes a parfor of the parallel kernel."""
+def _score_prep(q, hkv, na, quest, perm, n):
+    """Per KV head, the packed query sum each anchor is multiplied by [Hkv, A, P], and the
+    per-head score array [Hkv, n]; serial, so that no allocation becomes a parfor.
+
+    Linear scores: every anchor gets sum_h q_h / A. QUEST: with lo <= hi per channel,
+    max(q lo, q hi) = min(q, 0) lo + max(q, 0) hi, so the group's bound is
+    (sum_h min(q_h, 0)) . lo + (sum_h max(q_h, 0)) . hi: one pass over the two anchors.
+    """
     g = q.shape[0] // hkv
-    qp = np.ascontiguousarray(pack_rows(q, hkv, perm, F32(1.0))[:, :g])
-    qs = np.zeros((hkv, 1, qp.shape[2]), F32)  # linear scores read each anchor once
+    qp = pack_rows(q, hkv, perm, F32(1.0))[:, :g]  # [Hkv, g, P]
+    qs = np.zeros((hkv, na, qp.shape[2]), F32)
     for j in range(hkv):
         for h in range(g):
             for c in range(qp.shape[2]):
-                qs[j, 0, c] += qp[j, h, c] / F32(na)
-    return qp, qs, np.empty((hkv, n), F32)
+                x = qp[j, h, c]
+                if quest:
+                    qs[j, 0, c] += min(x, F32(0.0))
+                    qs[j, 1, c] += max(x, F32(0.0))
+                else:
+                    for a in range(na):
+                        qs[j, a, c] += x / F32(na)
+    return qs, np.empty((hkv, n), F32)
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
 def _score(q, anchors, bf16, candidates, quest, n_parts, perm):
     # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, d*(2 or 4)]; candidates [n] -> [Hkv, n]
     n = candidates.shape[0]
-    qp, qs, per_head = _score_prep(q, anchors.shape[0], anchors.shape[2], perm, n)
+    qs, per_head = _score_prep(q, anchors.shape[0], anchors.shape[2], quest, perm, n)
     for part in prange(n_parts):
         i0, i1 = part * n // n_parts, (part + 1) * n // n_parts
         if bf16:
-            _score_range(qp, qs, anchors.view(np.uint16), candidates, i0, i1, quest, per_head)
+            _score_range(qs, anchors.view(np.uint16), candidates, i0, i1, per_head)
         else:
-            _score_range(qp, qs, anchors.view(F32), candidates, i0, i1, quest, per_head)
+            _score_range(qs, anchors.view(F32), candidates, i0, i1, per_head)
     return per_head
 
 
@@ -235,7 +236,8 @@ def anchor_bytes(anchors: np.ndarray, write: bool = False) -> np.ndarray:
 def score_blocks(q, anchors, candidates, quest, shared):
     """Scores of candidate blocks for query q [Hq, d]: [1 (shared) or Hkv, n_cand] f32.
 
-    Per head: mean over anchors of q_h . anchor, or QUEST's bound sum_c max(q_c min_c, q_c max_c);
+    Per head: mean over anchors of q_h . anchor, or QUEST's bound sum_c max(q_c min_c, q_c max_c)
+    (anchors [..., 0] <= [..., 1], as compute_anchors makes them);
     summed over all heads (shared) or over each KV head's group. anchors [Hkv, nb_cap, A, d] are
     float32 or BF16 bits (uint16).
     """
