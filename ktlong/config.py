@@ -85,7 +85,7 @@ class Settings:
                                 "a multiple of block_size", 0)
     second_select_num: int = _f("int", 96, "sparse attention", "Blocks selected per step besides "
                                 "init and local; 0 = none", 0)
-    anchor_type: str = _f("enum", "DYNAMIC", "sparse attention", "How a block is summarised for "
+    anchor_type: str = _f("enum", "MAX", "sparse attention", "How a block is summarised for "
                           "scoring", choices=_ANCHORS)
     anchor_num: int = _f("int", 1, "sparse attention", "Representative keys per block (QUEST: 2)",
                          1)

@@ -18,12 +18,12 @@ INTERNALS_DEFAULTS = dict(
     chunk_size=0, kv_type="BF16", device="AUTO", weight_type="AUTO", threads_num=0,
     attention="SPARSE",
     block_size=128, init_len=128, local_windows_len=4096, second_select_num=96,
-    anchor_type="DYNAMIC", anchor_num=1, head_select_mode="SHARED", dense_layer_num=0,
+    anchor_type="MAX", anchor_num=1, head_select_mode="SHARED", dense_layer_num=0,
     token_step=1, layer_step=1, preselect_block=False, preselect_block_count=96,
     preselect_window=64, preselect_pool=7, gpu_local_window=True, max_new_tokens=512,
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
 PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval",
-            "small")
+            "small", "ktransformers")
 
 
 def write_config(home: Path, text: str) -> Path:
@@ -316,7 +316,11 @@ def test_profiles_reproduce_their_methods() -> None:
     d = get("default")
     assert (d.block_size, d.local_windows_len, d.second_select_num, d.anchor_type, d.anchor_num,
             d.head_select_mode, d.token_step, d.layer_step, d.preselect_block) == (
-        128, 4096, 96, "DYNAMIC", 1, "SHARED", 1, 1, False)
+        128, 4096, 96, "MAX", 1, "SHARED", 1, 1, False)
+    kt = get("ktransformers")  # KTransformers' own defaults: the default's layout, DYNAMIC anchors
+    assert (kt.block_size, kt.second_select_num, kt.anchor_type, kt.anchor_num) == (
+        128, 96, "DYNAMIC", 1)
+    assert get("kvretrieval").anchor_type == "DYNAMIC"
 
 
 def test_profile_by_path_user_folder_and_missing(ktlong_home: Path, tmp_path: Path) -> None:
