@@ -11,6 +11,7 @@ No policy lives here: which blocks to read is `selection`'s business.
 from __future__ import annotations
 
 import mmap
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +55,10 @@ def from_storage(a: np.ndarray, kv_type: str) -> torch.Tensor:
     if kv_type == "FP32":
         return torch.from_numpy(np.array(a, dtype=np.float32))  # always a copy (a may be read-only)
     _, tdtype, _ = KV_TYPES[kv_type]
-    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(tdtype).float()
+    bits = np.ascontiguousarray(a).view(np.int16)
+    with warnings.catch_warnings():  # a read-only (cache-mapped) array: only read, .float() copies
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(bits).view(tdtype).float()
 
 
 def _file_rss() -> int:

@@ -339,3 +339,14 @@ def test_decoding_with_released_pages_equals_the_fresh_prefill(lm, tmp_path):
     assert again.source == "cache"
     again.session.store.map_cap = 0  # release after every layer of every step
     assert _answer(again.session) == fresh
+
+
+def test_reading_mapped_bf16_prints_no_torch_warning():
+    """A cache entry's K, V are mapped read-only; converting them must not print torch's
+    non-writable-array warning (torch warns once per process, hence a fresh one)."""
+    code = ("import warnings, numpy as np; warnings.simplefilter('error'); "
+            "from ktlong.kvstore import from_storage; "
+            "a = np.arange(8, dtype=np.uint16); a.flags.writeable = False; "
+            "print(tuple(from_storage(a, 'BF16').shape))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "(8,)" and r.stderr == "", r.stderr
