@@ -79,7 +79,7 @@ def show_model(path: Path, kv_type: str, as_json: bool) -> None:
         ("vocabulary", f"{info['vocab_size']:,}"),
         ("RoPE", f"{rope['type']}, base {rope['theta']:g}" + (f", {scaling}" if scaling else "")),
         ("max positions", f"{info['max_positions']:,}"),
-        ("weights", f"{gb(info['weights_bytes'])}: " + ", ".join(
+        ("weights", f"{gb(info['weights_bytes'])} loaded: " + ", ".join(
             f"{n} x {t}" for t, n in sorted(info["weight_types"].items(), key=lambda x: -x[1]))),
         ("chat template", "yes" if info["has_chat_template"] else "[red]no[/] (plain prompts)"),
         ("KV per token", f"{info['kv_bytes_per_token']:,} bytes ({info['kv_type']}); "

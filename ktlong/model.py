@@ -42,7 +42,7 @@ class ModelSpec:
     max_positions: int
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    weights_bytes: int
+    weights_bytes: int  # once loaded on the CPU (a quantised GGUF tensor is held as BF16)
     n_params: int
     weight_types: dict[str, int] = field(default_factory=dict)  # dtype / quant type -> tensor count
     has_chat_template: bool = False
@@ -210,6 +210,9 @@ def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
     return v
 
 
+_GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
 def _read_gguf_spec(path: Path) -> ModelSpec:
     import gguf  # light: numpy only
 
@@ -232,7 +235,9 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
     n_bytes = n_params = 0
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-        n_bytes += int(t.n_bytes)
+        # what the loader holds: float tensors as stored, quantised ones widened to BF16
+        plain = t.tensor_type.name in _GGUF_FLOAT_TYPES
+        n_bytes += int(t.n_bytes) if plain else 2 * int(t.n_elements)
         n_params += int(t.n_elements)
     rope_scaling = None
     if key("rope.scaling.type") not in (None, "none"):
