@@ -23,7 +23,7 @@ INTERNALS_DEFAULTS = dict(
     preselect_window=64, preselect_pool=7, gpu_local_window=True, max_new_tokens=512,
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
 PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval",
-            "small", "ktransformers")
+            "small", "ktransformers", "recall")
 
 
 def write_config(home: Path, text: str) -> Path:
@@ -321,6 +321,9 @@ def test_profiles_reproduce_their_methods() -> None:
     assert (kt.block_size, kt.second_select_num, kt.anchor_type, kt.anchor_num) == (
         128, 96, "DYNAMIC", 1)
     assert get("kvretrieval").anchor_type == "DYNAMIC"
+    r = get("recall")  # the default's layout, Quest's bound per 128-token block
+    assert (r.block_size, r.second_select_num, r.anchor_type, r.anchor_num, r.head_select_mode) == (
+        128, 96, "QUEST", 2, "SHARED")
 
 
 def test_profile_by_path_user_folder_and_missing(ktlong_home: Path, tmp_path: Path) -> None:

@@ -88,6 +88,7 @@ def test_budget_covering_every_block_decodes_like_dense():
 SCALED = {  # each profile's method keys, at sizes a 1.5K-token test prompt exercises
     "default": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
     "ktransformers": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
+    "recall": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
     "dense": {},
     "quest": dict(second_select_num=16),
     "snapkv": dict(preselect_block_count=128, second_select_num=128),
