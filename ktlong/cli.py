@@ -19,7 +19,14 @@ from typer.core import TyperGroup
 
 from ktlong import __version__
 from ktlong.bench.e2e import DECODE_RUNS  # stdlib-only at import: --help stays fast
-from ktlong.config import FIELDS, Resolved, parse_int, resolve_settings, unknown_key
+from ktlong.config import (
+    CHUNK_AUTO,
+    FIELDS,
+    Resolved,
+    parse_int,
+    resolve_settings,
+    unknown_key,
+)
 from ktlong.errors import KtlongError
 
 # --- shared options -----------------------------------------------------------------------------
@@ -393,8 +400,9 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                   threads: Annotated[int, typer.Option(
                       "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
                   chunk_sizes: Annotated[str, typer.Option(
-                      help="ktlong's prefill chunk sizes to compare, comma-separated.")]
-                  = "4096",
+                      help="ktlong's prefill chunk sizes to compare, comma-separated "
+                           "(default: the size ktlong prefills with on the CPU).")]
+                  = str(CHUNK_AUTO[False]),
                   as_json: JsonOpt = False) -> None:
     """Prefill tok/s and peak RSS: ktlong's chunked prefill against transformers' forward."""
     from ktlong.bench import prefill

@@ -51,6 +51,7 @@ def _f(kind: str, default: Any, group: str, description: str, lo: float | None =
 
 
 _KV_TYPES = ("BF16", "FP16", "FP32")
+CHUNK_AUTO = {False: 1024, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
 _ANCHORS = ("DYNAMIC", "MAX", "MEAN", "QUEST", "FIX")
 
 
@@ -65,7 +66,8 @@ class Settings:
     kv_type: str = _f("enum", "BF16", "memory", "Precision of the stored K and V",
                       choices=_KV_TYPES)
     chunk_size: int = _f("int", 0, "memory", "Prefill chunk in tokens; bigger needs more memory "
-                         "for activations; 0 = 4096 on CUDA, 1024 on the CPU", 0)
+                         f"for activations; 0 = {CHUNK_AUTO[True]} on CUDA, {CHUNK_AUTO[False]} "
+                         "on the CPU", 0)
     # runtime
     device: str = _f("enum", "AUTO", "runtime", "Where the model runs; AUTO uses CUDA if present",
                      choices=("AUTO", "CPU", "CUDA"))

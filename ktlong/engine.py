@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ktlong.attention import AttentionRouter
-from ktlong.config import Settings
+from ktlong.config import CHUNK_AUTO, Settings
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KVStore, StoreShape
 from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention
@@ -58,7 +58,6 @@ class Step:
 
 
 ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they fit in this
-CHUNK_AUTO = {False: 1024, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
 
 
 def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = None) -> None:

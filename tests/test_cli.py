@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from ktlong import memory, render
 from ktlong.cli import app
+from ktlong.config import CHUNK_AUTO
 
 runner = CliRunner()
 
@@ -270,6 +271,9 @@ def test_bench_prefill_passes_chunk_sizes(monkeypatch: pytest.MonkeyPatch) -> No
     r = run("bench", "prefill", "--contexts", "16K", "--chunk-sizes", "512,1K", "-t", "1")
     assert r.exit_code == 0, r.output
     assert calls == [([16384], 1, False, None, (512, 1024))]
+    r = run("bench", "prefill", "--contexts", "8K")  # default: the chunk ktlong uses on the CPU
+    assert r.exit_code == 0, r.output
+    assert calls[-1][-1] == (CHUNK_AUTO[False],)
     r = run("bench", "prefill", "--chunk-sizes", "0")
     assert r.exit_code == 2 and "--chunk-sizes '0'" in r.stderr
-    assert len(calls) == 1
+    assert len(calls) == 2

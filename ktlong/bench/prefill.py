@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ktlong.bench.rss import peak_rss
+from ktlong.config import CHUNK_AUTO
 
 BENCH_SHAPE = dict(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1408)
 
@@ -66,7 +67,7 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int) -> dict[
 
 
 def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None,
-         chunk_sizes: tuple[int, ...] = (4096,)) -> None:
+         chunk_sizes: tuple[int, ...] = (CHUNK_AUTO[False],)) -> None:
     from rich.console import Console
     from rich.table import Table
 
