@@ -39,6 +39,12 @@ def cache_dir(folder: Path = _HERE) -> Path:
     return home / "numba-cache" / source_hash(folder)
 
 
+def cache_is_cold(folder: Path = _HERE) -> bool:
+    """Whether no kernel of the current sources is compiled on disk yet (the first run of a
+    version compiles them all: tens of seconds)."""
+    return not any(cache_dir(folder).rglob("*.nbi"))  # Numba files them in a subfolder
+
+
 def _threading_layer() -> str:
     for name in ("omp", "tbb"):
         try:
@@ -85,7 +91,7 @@ from .threads import auto_threads, configure_threads  # noqa: E402
 KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
-    "KV_KINDS", "attend_blocks", "attend_blocks_ref", "auto_threads", "cache_dir",
+    "KV_KINDS", "attend_blocks", "attend_blocks_ref", "auto_threads", "cache_dir", "cache_is_cold",
     "compute_anchors",
     "compute_anchors_ref", "configure_threads", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64",
     "merge_partials",

@@ -116,6 +116,7 @@ class ChatLoop:
         self.doc_len = 0  # tokens of the document prefix (template head + document)
         self.last: Answer | None = None
         self._carry = (0, 0.0)  # document prefill (tokens, seconds) not yet reported
+        self._kernels_told = False
 
     # --- the document ------------------------------------------------------------------------
     def open(self) -> None:
@@ -123,6 +124,7 @@ class ChatLoop:
         from ktlong.engine import Session
         from ktlong.promptcache import Opened, open_document
 
+        self._tell_if_kernels_compile()
         self.session = None
         gc.collect()  # a previous session's KV store goes before the new one is made
         ids = self.conv.document_ids()
@@ -201,6 +203,18 @@ class ChatLoop:
             ans.stats = dataclasses.replace(ans.stats)
             if ans.stop in ("interrupted", "context_full"):
                 s.truncate(len(s.tokens))  # a forward cut short may have written some layers
+
+    def _tell_if_kernels_compile(self) -> None:
+        """Before the first prefill: say why the first answer will pause if no kernel of this
+        version is compiled yet (they compile on first use and are cached)."""
+        if self._kernels_told:
+            return
+        self._kernels_told = True
+        from ktlong import kernels
+
+        if kernels.cache_is_cold():
+            self.ui.note("first run of this ktlong version: its CPU kernels compile on first use "
+                         f"(about half a minute, once; cached in {kernels.cache_dir()})")
 
     def answer(self, question: str) -> Answer | None:
         """Ask and render; Ctrl-C stops the answer (None if it stopped before the first token)."""

@@ -412,3 +412,28 @@ def test_save_and_load_resume_a_conversation(lm) -> None:
     assert resumed.prefilled_tokens < 20  # nothing re-read: the saved KV came back
     assert other.handle("/load nosuch")  # one line, the chat goes on
     assert "no saved conversation 'nosuch'" in other.ui.text()[1]
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_first_run_of_a_version_says_the_kernels_compile(lm, monkeypatch, cold):
+    """With no compiled kernel of this version on disk, the first prefill notes the coming pause
+    once (a /reset reopens without repeating it); with them, nothing is said."""
+    from ktlong import kernels
+
+    monkeypatch.setattr(kernels, "cache_is_cold", lambda: cold)
+    ui = UI()
+    loop = make_loop(lm, ui)
+    loop.handle("/reset")
+    loop.answer(QUESTIONS[0])
+    assert ui.text()[1].count("CPU kernels compile on first use") == (1 if cold else 0)
+
+
+def test_cache_is_cold_until_a_kernel_is_filed(tmp_path, monkeypatch):
+    from ktlong import kernels
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert kernels.cache_is_cold()
+    index = kernels.cache_dir() / "kernels_0123" / "attention._attend-212.py311.nbi"
+    index.parent.mkdir(parents=True)
+    index.write_bytes(b"")
+    assert not kernels.cache_is_cold()
