@@ -385,11 +385,15 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                  repeats: Annotated[int, typer.Option(min=1, help="Timed runs per length.")] = 5,
                  threads: Annotated[int, typer.Option(
                      "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                 quest: Annotated[bool, typer.Option(
+                     "--quest", help="Score blocks by Quest's min/max bound (2 anchors, the "
+                                     "recall profile) instead of one anchor (default).")] = False,
                  as_json: JsonOpt = False) -> None:
     """Sparse decode-attention speed against context length (kernels only, no model)."""
     from ktlong.bench import decode
 
-    decode.main(contexts=_lengths(contexts), repeats=repeats, threads=threads, as_json=as_json)
+    decode.main(contexts=_lengths(contexts), repeats=repeats, threads=threads, as_json=as_json,
+                quest=quest)
 
 
 @bench_app.command("prefill")

@@ -24,3 +24,19 @@ def test_bench_decode_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     # local window's blocks, from block (20000 - 4096) // 128 = 124 on (4128 tokens)
     assert rows[0]["attended_tokens"] == 1000
     assert rows[1]["attended_tokens"] == 128 + 96 * 128 + (20000 - 124 * 128)
+
+
+def test_bench_decode_quest_reads_two_anchors(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]):
+    """--quest scores blocks by Quest's bound: the same attended tokens, twice the anchor bytes."""
+    monkeypatch.setattr(decode, "BANDWIDTH_BYTES", 8 << 20)
+    monkeypatch.setattr(decode, "FLUSH_BYTES", 1 << 20)
+    got = {}
+    for quest in (False, True):
+        decode.main(contexts=[20000], repeats=1, threads=1, as_json=True, quest=quest)
+        data = json.loads(capsys.readouterr().out)
+        assert data["anchors"] == ("quest" if quest else "one")
+        got[quest] = data["rows"][0]
+    assert got[True]["attended_tokens"] == got[False]["attended_tokens"]
+    candidates = (20000 - 4096) // 128 - 1  # between the init block and the local window
+    assert got[True]["kv_read_bytes"] - got[False]["kv_read_bytes"] == candidates * 8 * 128 * 2

@@ -254,10 +254,14 @@ def test_bench_decode_passes_parsed_options(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(ktlong.bench, "decode", fake, raising=False)
     r = run("bench", "decode", "--contexts", "16K, 65536,1M", "--repeats", "2", "-t", "1", "--json")
     assert r.exit_code == 0, r.output
-    assert calls == [dict(contexts=[16384, 65536, 1048576], repeats=2, threads=1, as_json=True)]
+    assert calls == [dict(contexts=[16384, 65536, 1048576], repeats=2, threads=1, as_json=True,
+                          quest=False)]
+    r = run("bench", "decode", "--contexts", "1M", "--quest")
+    assert r.exit_code == 0, r.output
+    assert calls[-1]["quest"] is True and calls[-1]["contexts"] == [1048576]
     r = run("bench", "decode", "--contexts", "16K,lots")
     assert r.exit_code == 2 and "--contexts '16K,lots'" in r.stderr
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_bench_prefill_passes_chunk_sizes(monkeypatch: pytest.MonkeyPatch) -> None:

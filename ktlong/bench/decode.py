@@ -2,7 +2,8 @@
 
 InternLM2.5-7B shapes (32 query heads, 8 KV heads, head_dim 128, BF16 KV) and the default profile's
 budget: block 128, init 128 tokens, local window 4096, 96 selected blocks chosen by scoring one
-BF16 anchor per block (SHARED; BF16 as the store keeps them); scoring and top-k are inside the
+BF16 anchor per block (SHARED; BF16 as the store keeps them; `--quest`: two, each block's min and
+max key, scored by Quest's bound as the recall profile does); scoring and top-k are inside the
 sparse time. Dense is timed by every exact CPU path here (this kernel over all blocks, torch
 grouped matmul, torch SDPA) and the best is reported. The KV (4.3 GB at 1M) is allocated once and
 its prefixes serve the shorter contexts. Each round times every kernel path once, interleaved with
@@ -92,13 +93,15 @@ def _candidates(n: int) -> tuple[int, int]:
 
 
 def _select(kernels, q, anchors, n: int) -> np.ndarray:
-    """The default profile's blocks for one decode step at context n: [1, k] int32."""
+    """The profile's blocks for one decode step at context n: [1, k] int32. anchors
+    [Hkv, nb, A, d]: A = 1 (default) or 2, min and max (Quest's bound, the recall profile)."""
     nb = -(-n // BLOCK)
     init_end, local0 = _candidates(n)
     if init_end == local0:
         return np.arange(nb, dtype=np.int32)[None]
     cand = np.arange(init_end, local0, dtype=np.int32)
-    top = kernels.topk_blocks(kernels.score_blocks(q, anchors, cand, False, True), cand, SELECT)
+    quest = anchors.shape[2] == 2
+    top = kernels.topk_blocks(kernels.score_blocks(q, anchors, cand, quest, True), cand, SELECT)
     return np.concatenate([np.arange(init_end, dtype=np.int32), top[0],
                            np.arange(local0, nb, dtype=np.int32)])[None]
 
@@ -113,7 +116,7 @@ def _row(n: int, k_all: np.ndarray, v_all: np.ndarray, anchors: np.ndarray, q: n
     nb = -(-n // BLOCK)
     k = k_all[:HKV * nb * BLOCK * HEAD_DIM].reshape(HKV, nb, BLOCK, HEAD_DIM)  # [Hkv, nb, bs, d]
     v = v_all[:HKV * nb * BLOCK * HEAD_DIM].reshape(HKV, nb, BLOCK, HEAD_DIM)
-    an = kernels.f32_to_kv(np.ascontiguousarray(anchors[:, :nb]), 1)  # [Hkv, nb, 1, d] BF16 bits
+    an = kernels.f32_to_kv(np.ascontiguousarray(anchors[:, :nb]), 1)  # [Hkv, nb, A, d] BF16 bits
     kt, vt = (torch.from_numpy(x.view(np.int16).reshape(HKV, -1, HEAD_DIM)).view(torch.bfloat16)
               [:, :n] for x in (k, v))  # [Hkv, n, d]
     qt = torch.from_numpy(q).to(torch.bfloat16)
@@ -143,7 +146,7 @@ def _row(n: int, k_all: np.ndarray, v_all: np.ndarray, anchors: np.ndarray, q: n
     attended = int(np.minimum(BLOCK, n - blocks[0].astype(np.int64) * BLOCK).sum())
     first, last = _candidates(n)
     row = HKV * HEAD_DIM * 2  # bytes of one token's K (or V), or of one block's BF16 anchor
-    read = 2 * attended * row + (last - first) * row  # K, V of the attended tokens; anchors
+    read = 2 * attended * row + (last - first) * an.shape[2] * row  # attended K, V; anchors
     paths = {"kernel": med["dense"] * 1e3,
              "torch_matmul": _best_s(dense_matmul, repeats, TORCH_BUDGET_S) * 1e3,
              "torch_sdpa": _best_s(dense_sdpa, repeats, TORCH_BUDGET_S) * 1e3}
@@ -159,14 +162,15 @@ def _row(n: int, k_all: np.ndarray, v_all: np.ndarray, anchors: np.ndarray, q: n
             "dense_paths_ms": paths}
 
 
-def _measure(contexts: list[int], repeats: int) -> tuple[float, list[dict]]:
+def _measure(contexts: list[int], repeats: int, quest: bool) -> tuple[float, list[dict]]:
     rng = np.random.default_rng(0)
     nb_max = -(-max(contexts) // BLOCK)
     size = HKV * nb_max * BLOCK * HEAD_DIM  # uint16 elements of K (or V) at the longest context
     k_all, v_all = np.empty(size, np.uint16), np.empty(size, np.uint16)
     _fill(k_all.view(np.uint32), 1)
     _fill(v_all.view(np.uint32), 2)
-    anchors = rng.standard_normal((HKV, nb_max, 1, HEAD_DIM)).astype(np.float32)
+    anchors = rng.standard_normal((HKV, nb_max, 2 if quest else 1, HEAD_DIM)).astype(np.float32)
+    anchors.sort(axis=2)  # Quest's pair is (min, max)
     q = rng.standard_normal((HQ, HEAD_DIM)).astype(np.float32)
     if k_all.nbytes + v_all.nbytes >= BANDWIDTH_BYTES:
         probe = [k_all.view(np.uint64), v_all.view(np.uint64)]
@@ -184,20 +188,24 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def main(contexts: list[int], repeats: int, threads: int, as_json: bool) -> None:
+def main(contexts: list[int], repeats: int, threads: int, as_json: bool,
+         quest: bool = False) -> None:
     """Time one layer's sparse and dense decode attention at each context length and print."""
     from ktlong import kernels
 
     threads = kernels.configure_threads(threads)
-    bandwidth, rows = _measure(sorted(contexts), repeats)
+    bandwidth, rows = _measure(sorted(contexts), repeats, quest)
+    anchors = "quest" if quest else "one"
     if as_json:
-        print(json.dumps({"bandwidth_gbps": bandwidth, "threads": threads, "rows": rows}))
+        print(json.dumps({"bandwidth_gbps": bandwidth, "threads": threads, "anchors": anchors,
+                          "rows": rows}))
         return
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"decode attention, one layer (32 q heads, 8 KV heads, d 128, BF16 KV), "
-                        f"{threads} threads, median of {repeats} rounds")
+                        f"{threads} threads, {anchors} anchor(s) per block, "
+                        f"median of {repeats} rounds")
     for col in ("context", "attended", "sparse ms", "of which select", "dense ms", "dense path",
                 "speedup", "vs torch", "KV read GB/s", "bandwidth GB/s", "KV / bandwidth"):
         table.add_column(col, justify="right")
