@@ -24,6 +24,19 @@ def test_bench_decode_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     # local window's blocks, from block (20000 - 4096) // 128 = 124 on (4128 tokens)
     assert rows[0]["attended_tokens"] == 1000
     assert rows[1]["attended_tokens"] == 128 + 96 * 128 + (20000 - 124 * 128)
+    assert rows[0]["vs_first"] == 1.0 and rows[1]["vs_first"] > 0
+    assert all(0 < r["kv_vs_bandwidth"] for r in rows)
+
+
+def test_rounds_interleave_contexts():
+    """Each round runs every (context, path) once, after a flush, so the ratios taken within a
+    round compare runs made a moment apart."""
+    calls: list[str] = []
+    fns = {(n, p): (lambda n=n, p=p: calls.append(f"{n}{p}")) for n in (1, 2) for p in "ab"}
+    times = decode._rounds(fns, lambda: calls.append("flush"), repeats=2)
+    one_round = ["flush", "1a", "flush", "1b", "flush", "2a", "flush", "2b"]
+    assert calls == ["1a", "1b", "2a", "2b"] + one_round * 2  # warm-up, then the rounds
+    assert all(len(t) == 2 for t in times.values())
 
 
 def test_bench_decode_quest_reads_two_anchors(monkeypatch: pytest.MonkeyPatch,
