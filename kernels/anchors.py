@@ -26,7 +26,7 @@ from ._simd import (
     to_bf16,
     to_f32,
 )
-from ._vec import W, row_addr, vfma, vhsum, vload, vload2, vzero
+from ._vec import W, row_addr, vfma, vhsum, vload, vload2, vsum4, vzero
 from .attention import channel_perm, pack_rows
 from .threads import use_threads
 
@@ -167,21 +167,38 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
 def _score_range(qs, an, candidates, i0, i1, out):
     """Scores of candidates[i0:i1] per KV head into out [Hkv, n]; an [Hkv, nb_cap, A, d] (f32 or
     BF16 bits); qs [Hkv, A, P] the packed query sum that multiplies each anchor. Head by head, so
-    each head's anchors are one sequential stream."""
+    each head's anchors are one sequential stream; four blocks at a time (four independent FMA
+    chains, one query load and one lane-sum tree for the four)."""
     hkv, na, d = an.shape[0], an.shape[2], an.shape[3]
     ng = qs.shape[2] // (2 * W)
     for j in range(hkv):
         sj = qs[j]  # [A, P]
-        for i in range(i0, i1):
-            b = candidates[i]
-            acc = vzero()
+        for i in range(i0, i1, 4):
+            b0 = candidates[i]
+            b1, b2, b3 = (candidates[min(i + 1, i1 - 1)], candidates[min(i + 2, i1 - 1)],
+                          candidates[min(i + 3, i1 - 1)])
+            a0 = a1 = a2 = a3 = vzero()
             for a in range(na):
-                row = row_addr(an, j, b, a)
+                r0, r1 = row_addr(an, j, b0, a), row_addr(an, j, b1, a)
+                r2, r3 = row_addr(an, j, b2, a), row_addr(an, j, b3, a)
                 for gi in range(ng):
-                    e, o = vload2(an, row, d, gi)
-                    acc = vfma(vload(sj, a, 2 * W * gi), e,
-                               vfma(vload(sj, a, 2 * W * gi + W), o, acc))
-            out[j, i] = vhsum(acc)
+                    qe, qo = vload(sj, a, 2 * W * gi), vload(sj, a, 2 * W * gi + W)
+                    e, o = vload2(an, r0, d, gi)
+                    a0 = vfma(qe, e, vfma(qo, o, a0))
+                    e, o = vload2(an, r1, d, gi)
+                    a1 = vfma(qe, e, vfma(qo, o, a1))
+                    e, o = vload2(an, r2, d, gi)
+                    a2 = vfma(qe, e, vfma(qo, o, a2))
+                    e, o = vload2(an, r3, d, gi)
+                    a3 = vfma(qe, e, vfma(qo, o, a3))
+            if i + 4 <= i1:
+                vsum4(out, j, i, a0, a1, a2, a3)
+            else:  # the last 1-3 candidates (the rest repeat the last one)
+                out[j, i] = vhsum(a0)
+                if i + 1 < i1:
+                    out[j, i + 1] = vhsum(a1)
+                if i + 2 < i1:
+                    out[j, i + 2] = vhsum(a2)
 
 
 @njit(nogil=True, cache=True)

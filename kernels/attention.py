@@ -37,7 +37,7 @@ from ._vec import (
 )
 from .threads import use_threads
 
-CH = 64  # rows per chunk (a multiple of 4)
+CH = 128  # rows per chunk (a multiple of 4): the next chunk is prefetched during this one
 
 
 @njit(cache=True)

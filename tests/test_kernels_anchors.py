@@ -77,6 +77,24 @@ def test_scores_match_reference(quest, shared, g, bf16):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n_cand", [1, 2, 3, 4, 5, 7, 45])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scores_any_candidate_count(n_cand, threads):
+    """Blocks are scored four at a time: counts (and per-thread parts) that are not a multiple
+    of 4 score their last 1-3 blocks alone."""
+    rng = np.random.default_rng(n_cand)
+    anchors = K.f32_to_kv(rng.standard_normal((2, 50, 1, 128)).astype(np.float32), 1)
+    q = rng.standard_normal((8, 128)).astype(np.float32)
+    cand = np.sort(rng.choice(50, n_cand, replace=False)).astype(np.int32)
+    K.configure_threads(threads)
+    try:
+        got = K.score_blocks(q, anchors, cand, False, False)
+    finally:
+        K.configure_threads(0)
+    np.testing.assert_allclose(got, K.score_blocks_ref(q, anchors, cand, False, False),
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("k", [0, 1, 5, 19, 20, 30])
 def test_topk_matches_reference(k):
     rng = np.random.default_rng(k)
