@@ -26,7 +26,7 @@ from ._simd import (
     to_bf16,
     to_f32,
 )
-from ._vec import W, row_addr, vfma, vhsum, vload, vload2, vsum4, vzero
+from ._vec import W, prefetch, row_addr, vfma, vhsum, vload, vload2, vsum4, vzero
 from .attention import channel_perm, pack_rows
 from .threads import use_threads
 
@@ -162,6 +162,8 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
             res = np.take_along_axis(kb, order[:, :, None], axis=1)
         anchors[:, b] = res if anchors.dtype == np.float32 else f32_to_kv(res.astype(F32), 1)
 
+PF = 32  # blocks ahead whose anchors are prefetched while scoring
+
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _score_range(qs, an, candidates, i0, i1, out):
@@ -174,6 +176,11 @@ def _score_range(qs, an, candidates, i0, i1, out):
     for j in range(hkv):
         sj = qs[j]  # [A, P]
         for i in range(i0, i1, 4):
+            if i + PF < i1:  # anchors PF blocks ahead (4 blocks' rows a step)
+                for r in range(4):
+                    pa = row_addr(an, j, candidates[min(i + PF + r, i1 - 1)], 0)
+                    for off in range(0, na * d * an.itemsize, 64):
+                        prefetch(pa + off)
             b0 = candidates[i]
             b1, b2, b3 = (candidates[min(i + 1, i1 - 1)], candidates[min(i + 2, i1 - 1)],
                           candidates[min(i + 3, i1 - 1)])
