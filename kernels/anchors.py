@@ -162,6 +162,7 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
             res = np.take_along_axis(kb, order[:, :, None], axis=1)
         anchors[:, b] = res if anchors.dtype == np.float32 else f32_to_kv(res.astype(F32), 1)
 
+
 PF = 32  # blocks ahead whose anchors are prefetched while scoring
 
 

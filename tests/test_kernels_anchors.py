@@ -77,15 +77,15 @@ def test_scores_match_reference(quest, shared, g, bf16):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("n_cand", [1, 2, 3, 4, 5, 7, 45])
+@pytest.mark.parametrize("n_cand", [1, 2, 3, 4, 5, 7, 45, 299])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_scores_any_candidate_count(n_cand, threads):
     """Blocks are scored four at a time: counts (and per-thread parts) that are not a multiple
-    of 4 score their last 1-3 blocks alone."""
+    of 4 score their last 1-3 blocks alone; parts longer than the prefetch distance prefetch."""
     rng = np.random.default_rng(n_cand)
-    anchors = K.f32_to_kv(rng.standard_normal((2, 50, 1, 128)).astype(np.float32), 1)
+    anchors = K.f32_to_kv(rng.standard_normal((2, 300, 1, 128)).astype(np.float32), 1)
     q = rng.standard_normal((8, 128)).astype(np.float32)
-    cand = np.sort(rng.choice(50, n_cand, replace=False)).astype(np.int32)
+    cand = np.sort(rng.choice(300, n_cand, replace=False)).astype(np.int32)
     K.configure_threads(threads)
     try:
         got = K.score_blocks(q, anchors, cand, False, False)

@@ -161,8 +161,8 @@ class _Context:
         blocks = self.select()
         attended = int(np.minimum(BLOCK, n - blocks[0].astype(np.int64) * BLOCK).sum())
         first, last = _candidates(n)
-        row = HKV * HEAD_DIM * 2  # bytes of one token's K (or V), or of one block's BF16 anchor
-        read = 2 * attended * row + (last - first) * self.an.shape[2] * row  # K, V; anchors
+        row_bytes = HKV * HEAD_DIM * 2  # one token's K (or V), or one block's BF16 anchor
+        read = (2 * attended + (last - first) * self.an.shape[2]) * row_bytes  # K, V; anchors
         paths = {"kernel": med["dense"] * 1e3,
                  "torch_matmul": _best_s(self.dense_matmul, repeats, TORCH_BUDGET_S) * 1e3,
                  "torch_sdpa": _best_s(self.dense_sdpa, repeats, TORCH_BUDGET_S) * 1e3}
