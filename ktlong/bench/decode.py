@@ -237,7 +237,8 @@ def main(contexts: list[int], repeats: int, threads: int, as_json: bool,
     from rich.table import Table
 
     table = Table(title=f"decode attention, one layer (32 q heads, 8 KV heads, d 128, BF16 KV), "
-                        f"{threads} threads, {anchors} anchor(s) per block, "
+                        f"{threads} threads, "
+                        f"{'2 anchors (Quest)' if quest else '1 anchor'} per block, "
                         f"median of {repeats} rounds")
     for col in ("context", "attended", "sparse ms", "of which select", "dense ms", "dense path",
                 "speedup", "vs torch", "KV read GB/s", "bandwidth GB/s", "KV / bandwidth",
