@@ -382,7 +382,8 @@ def _lengths(contexts: str, option: str = "--contexts") -> list[int]:
 def bench_decode(contexts: Annotated[str, typer.Option(
                      help="Context lengths, comma-separated (K and M suffixes allowed).")]
                  = "16384,65536,131072,262144,1048576",
-                 repeats: Annotated[int, typer.Option(min=1, help="Timed runs per length.")] = 5,
+                 repeats: Annotated[int, typer.Option(
+                     min=1, help="Rounds; each times every path at every length once.")] = 5,
                  threads: Annotated[int, typer.Option(
                      "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
                  quest: Annotated[bool, typer.Option(
