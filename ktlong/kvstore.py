@@ -56,6 +56,8 @@ def from_storage(a: np.ndarray, kv_type: str) -> torch.Tensor:
         return torch.from_numpy(np.array(a, dtype=np.float32))  # always a copy (a may be read-only)
     _, tdtype, _ = KV_TYPES[kv_type]
     bits = np.ascontiguousarray(a).view(np.int16)
+    if bits.flags.writeable:
+        return torch.from_numpy(bits).view(tdtype).float()
     with warnings.catch_warnings():  # a read-only (cache-mapped) array: only read, .float() copies
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(bits).view(tdtype).float()
