@@ -67,8 +67,11 @@ except OSError:
     pass  # unwritable home: Numba's default cache location
 try:
     from .anchors import (  # noqa: E402
+        Q8_EXTRA,
+        anchors_to_f64,
         compute_anchors,
         compute_anchors_ref,
+        q8_encode,
         score_blocks,
         score_blocks_ref,
         topk_blocks,
@@ -91,10 +94,9 @@ from .threads import auto_threads, configure_threads  # noqa: E402
 KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
-    "KV_KINDS", "attend_blocks", "attend_blocks_ref", "auto_threads", "cache_dir", "cache_is_cold",
-    "compute_anchors",
-    "compute_anchors_ref", "configure_threads", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64",
-    "merge_partials",
-    "merge_partials_ref", "query_votes", "query_votes_ref", "score_blocks", "score_blocks_ref",
-    "source_hash", "topk_blocks", "topk_blocks_ref",
+    "KV_KINDS", "Q8_EXTRA", "anchors_to_f64", "attend_blocks", "attend_blocks_ref",
+    "auto_threads", "cache_dir", "cache_is_cold", "compute_anchors", "compute_anchors_ref",
+    "configure_threads", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "merge_partials",
+    "merge_partials_ref", "q8_encode", "query_votes", "query_votes_ref", "score_blocks",
+    "score_blocks_ref", "source_hash", "topk_blocks", "topk_blocks_ref",
 ]

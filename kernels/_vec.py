@@ -133,7 +133,8 @@ def _masked_load(builder, ptr, first, n, vty):
     lim = builder.insert_element(ir.Constant(ivec, None), lim, ir.Constant(_I32, 0))
     lim = builder.shuffle_vector(lim, lim, ir.Constant(ivec, None))
     mask = builder.icmp_signed("<", ir.Constant(ivec, list(range(W))), lim)
-    sfx = {ir.FloatType(): "f32", _I32: "i32", ir.IntType(16): "i16"}[vty.element]
+    sfx = {ir.FloatType(): "f32", _I32: "i32", ir.IntType(16): "i16", ir.IntType(8): "i8"}[
+        vty.element]
     fnty = ir.FunctionType(vty, [vty.as_pointer(), _I32, mask.type, vty])
     fn = cgutils.get_or_insert_function(builder.module, fnty,
                                         f"llvm.masked.load.v{W}{sfx}.p0v{W}{sfx}")
@@ -145,10 +146,11 @@ def _masked_load(builder, ptr, first, n, vty):
 def vload2(typingctx, tag, addr, d, grp):
     """Channel group `grp` (channels 2W*grp ..) of the d-channel KV row at address `addr`, as
     float32 vectors (e, o), zeros past d. The element type comes from `tag` (any KV array):
-    float32 (FP32), uint16 (BF16 bits, d even) or int16 (FP16 bits).
+    float32 (FP32), uint16 (BF16 bits, d even), int16 (FP16 bits) or int8 (8-bit codes, read as
+    their integer values).
     """
     if not isinstance(tag, types.Array) or tag.dtype not in (types.float32, types.uint16,
-                                                             types.int16):
+                                                             types.int16, types.int8):
         return None
     dt = tag.dtype
 
@@ -166,7 +168,8 @@ def vload2(typingctx, tag, addr, d, grp):
             e = builder.bitcast(builder.shl(x, ir.Constant(wvec, [16] * W)), _VEC)
             o = builder.bitcast(builder.and_(x, ir.Constant(wvec, [0xFFFF0000] * W)), _VEC)
         else:
-            ety = ir.FloatType() if dt == types.float32 else ir.IntType(16)
+            ety = {types.float32: ir.FloatType(), types.int16: ir.IntType(16),
+                   types.int8: ir.IntType(8)}[dt]
             base = builder.inttoptr(args[1], ety.as_pointer())
             g2w = builder.add(g2, ir.Constant(intp, W))
             src = ir.VectorType(ety, W)
@@ -176,6 +179,9 @@ def vload2(typingctx, tag, addr, d, grp):
                 half = ir.VectorType(ir.HalfType(), W)
                 e = builder.fpext(builder.bitcast(e, half), _VEC)
                 o = builder.fpext(builder.bitcast(o, half), _VEC)
+            elif dt == types.int8:
+                e = builder.sitofp(builder.sext(e, ir.VectorType(_I32, W)), _VEC)
+                o = builder.sitofp(builder.sext(o, ir.VectorType(_I32, W)), _VEC)
         return context.make_tuple(builder, sig.return_type, [e, o])
     return types.UniTuple(vec, 2)(tag, addr, d, grp), codegen
 
@@ -299,5 +305,38 @@ def prefetch(typingctx, addr):
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
         builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(_I32, 0),
                           ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(addr), codegen
+
+
+@intrinsic
+def load_f32(typingctx, addr):
+    """The float32 at integer address `addr` (any alignment)."""
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.FloatType().as_pointer())
+        return builder.load(p, align=1)
+    return types.float32(addr), codegen
+
+
+@intrinsic
+def store_f32(typingctx, addr, x):
+    """Write the float32 x at integer address `addr` (any alignment)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.FloatType().as_pointer())
+        builder.store(args[1], p, align=1)
+        return context.get_dummy_value()
+    return types.none(addr, x), codegen
+
+
+@intrinsic
+def touch(typingctx, addr):
+    """Load the byte at integer address `addr` and drop it; unlike a prefetch, never skipped, so
+    it starts the page walk (and the hardware prefetcher) for that address's page."""
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+        builder.load_atomic(p, "monotonic", 1)  # an atomic load is never removed as unused
         return context.get_dummy_value()
     return types.none(addr), codegen

@@ -1,12 +1,17 @@
 """Block anchors (representative keys), block scores against a query, and top-k block choice.
 
-Anchors are stored as float32 or as BF16 bits (uint16): scoring reads every anchor of the context
-each step, so BF16 anchors halve the bytes that grow with the context.
+Scoring reads every anchor of the context each step: anchor bytes are what grows with the context.
+Three formats, told apart by dtype (the KV store keeps Q8):
+- float32 [..., d];
+- BF16 bits, uint16 [..., d];
+- Q8, uint8 [..., d + 4]: d signed 8-bit codes, then the anchor's float32 scale (the largest
+  |channel| / 127; value = code * scale). Half BF16's bytes.
 
 Anchor types (anchor_num = A per block):
 - MAX / MEAN: the block is cut into A equal runs of tokens; anchor a is the per-channel max / mean
   of run a (A = 1: of the whole block).
-- QUEST: A = 2; anchor 0 the per-channel min, anchor 1 the per-channel max of the block.
+- QUEST: A = 2; anchor 0 the per-channel min, anchor 1 the per-channel max of the block. Q8 rounds
+  the min down and the max up, so the pair still bounds every key of the block.
 - FIX: anchor a is token a * (bs // A).
 - DYNAMIC: the A tokens of the block with the highest `token_scores` (ties: earliest first).
 """
@@ -26,11 +31,56 @@ from ._simd import (
     to_bf16,
     to_f32,
 )
-from ._vec import W, prefetch, row_addr, vfma, vhsum, vload, vload2, vsum4, vzero
+from ._vec import (
+    W,
+    load_f32,
+    prefetch,
+    row_addr,
+    store_f32,
+    vfma,
+    vhsum,
+    vload,
+    vload2,
+    vsplat,
+    vsum4,
+    vzero,
+)
 from .attention import channel_perm, pack_rows
 from .threads import use_threads
 
 ANCHOR_TYPES = {"MAX": 0, "MEAN": 1, "QUEST": 2, "FIX": 3, "DYNAMIC": 4}
+FMT_F32, FMT_BF16, FMT_Q8 = 0, 1, 2
+Q8_EXTRA = 4  # bytes after a Q8 anchor's codes: its float32 scale
+
+
+@njit(nogil=True, cache=True)
+def _q8(x, codes, scale_addr, mode):
+    """Q8 code of anchor x [d] f32 into codes [d] int8 and its scale at scale_addr. mode 0
+    rounds to nearest; -1 down and 1 up, exactly (code * scale <= or >= x). In float64, not
+    fastmath: `q8_encode` rounds the same way."""
+    d = x.shape[0]
+    m = F32(0.0)
+    for c in range(d):
+        m = max(m, abs(x[c]))
+    inv = 127.0 / np.float64(m) if m > F32(0.0) else 0.0
+    scale = m / F32(127.0)
+    if np.float64(scale) * 127.0 < np.float64(m):  # 127 steps reach the largest channel
+        scale = np.nextafter(scale, F32(np.inf))
+    s64 = np.float64(scale)
+    for c in range(d):
+        y = np.float64(x[c]) * inv
+        if mode < 0:
+            r = np.floor(y)
+            if r * s64 > x[c]:
+                r -= 1.0
+        elif mode > 0:
+            r = np.ceil(y)
+            if r * s64 < x[c]:
+                r += 1.0
+        else:
+            r = np.floor(y + 0.5)
+        codes[c] = np.int8(min(max(r, -128.0), 127.0))
+    store_f32(scale_addr, scale)
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
@@ -79,11 +129,12 @@ def _block(kb, kind, out, sc):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, bf16, token_scores):
-    # K bytes [Hkv, nb, bs, d*size]; anchors bytes [Hkv, nb_cap, A, d*(2 or 4)];
+def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, fmt, token_scores):
+    # K bytes [Hkv, nb, bs, d*size]; anchors bytes [Hkv, nb_cap, A, row] in format fmt;
     # token_scores [Hkv, n | 0]
     hkv, bs = k_tail.shape[0], k_tail.shape[2]
-    na, d = anchors.shape[2], anchors.shape[3] // (2 if bf16 else 4)
+    na, row = anchors.shape[2], anchors.shape[3]
+    d = row - Q8_EXTRA if fmt == FMT_Q8 else row // (2 if fmt == FMT_BF16 else 4)
     nblk = last - first
     for it in prange(hkv * nblk):
         j, b = it // nblk, first + it % nblk
@@ -96,7 +147,12 @@ def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, bf16, t
             _block(kb.view(np.int16), kind, out, sc)
         else:
             _block(kb.view(F32), kind, out, sc)
-        if bf16:
+        if fmt == FMT_Q8:
+            codes = anchors[j, b].view(np.int8)  # [A, d + 4]
+            for a in range(na):
+                mode = (-1 if a == 0 else 1) if kind == 2 else 0  # QUEST: min down, max up
+                _q8(out[a], codes[a, :d], row_addr(anchors, j, b, a) + d, mode)
+        elif fmt == FMT_BF16:
             dst16 = anchors[j, b].view(np.uint16)
             for a in range(na):
                 for c in range(d):
@@ -113,14 +169,14 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     """Fill `anchors[:, first:last]` for the full blocks `first..last-1` (in place).
 
     k_base [Hkv, nb_base, bs, d], k_tail [Hkv, nb_tail_cap, bs, d] storage per kv_kind;
-    anchors [Hkv, nb_cap, anchor_num, d] float32, or uint16 for BF16 anchors (rounded to nearest
-    even); token_scores [Hkv, n_tokens] f32 for DYNAMIC.
+    anchors [Hkv, nb_cap, anchor_num, d (+ 4 for Q8)] in any anchor format (BF16 rounds to
+    nearest even); token_scores [Hkv, n_tokens] f32 for DYNAMIC.
     """
     if anchor_type not in ANCHOR_TYPES:
         raise ValueError(f"unknown anchor_type {anchor_type!r}")
     kind = ANCHOR_TYPES[anchor_type]
     hkv, _, bs, d = k_tail.shape
-    want = (hkv, anchors.shape[1], anchor_num, d)
+    want = (hkv, anchors.shape[1], anchor_num, d + (Q8_EXTRA if anchors.dtype == np.uint8 else 0))
     if anchors.shape != want:
         raise ValueError(f"anchors must be {list(want)}, got {list(anchors.shape)}")
     if (kind == 2 and anchor_num != 2) or (kind != 2 and not 1 <= anchor_num <= bs):
@@ -137,13 +193,12 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
         use_threads()
         _anchors(kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind), kv_kind,
                  nb_base, first, last, kind, anchor_bytes(anchors, write=True),
-                 anchors.dtype == np.uint16,
-                 token_scores)
+                 anchor_format(anchors), token_scores)
 
 
 def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
                         token_scores=None, *, kv_kind):
-    """float64 NumPy reference of `compute_anchors` (writes into `anchors`, float32 or BF16)."""
+    """float64 NumPy reference of `compute_anchors` (writes into `anchors`, any format)."""
     hkv, _, bs, d = k_tail.shape
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
     for b in range(first, last):
@@ -160,53 +215,101 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
             sc = token_scores[:, b * bs:(b + 1) * bs]
             order = np.stack([np.lexsort((np.arange(bs), -sc[j]))[:anchor_num] for j in range(hkv)])
             res = np.take_along_axis(kb, order[:, :, None], axis=1)
-        anchors[:, b] = res if anchors.dtype == np.float32 else f32_to_kv(res.astype(F32), 1)
+        fmt = anchor_format(anchors)
+        if fmt == FMT_Q8:
+            anchors[:, b] = q8_encode(res.astype(F32), quest=anchor_type == "QUEST")
+        else:
+            anchors[:, b] = res if fmt == FMT_F32 else f32_to_kv(res.astype(F32), 1)
+
+
+def q8_encode(x: np.ndarray, quest: bool = False) -> np.ndarray:
+    """NumPy Q8 of anchors x [..., A, d] float32: uint8 [..., A, d + 4] (codes, float32 scale),
+    rounded to nearest; `quest` rounds anchor 0 (the min) down and anchor 1 (the max) up."""
+    m = np.abs(x).max(-1, keepdims=True)  # [..., A, 1] float32
+    with np.errstate(divide="ignore"):
+        inv = np.where(m > 0, 127.0 / m.astype(np.float64), 0.0)
+    scale = (m / F32(127.0)).astype(F32)
+    scale = np.where(scale.astype(np.float64) * 127 < m, np.nextafter(scale, F32(np.inf)), scale)
+    s64, x64 = scale.astype(np.float64), x.astype(np.float64)
+    y = x64 * inv
+    r = np.floor(y + 0.5)
+    if quest:  # outward, exactly: code * scale <= min, >= max
+        lo, hi = np.floor(y[..., 0, :]), np.ceil(y[..., 1, :])
+        lo -= lo * s64[..., 0, :] > x64[..., 0, :]
+        hi += hi * s64[..., 1, :] < x64[..., 1, :]
+        r[..., 0, :], r[..., 1, :] = lo, hi
+    codes = np.clip(r, -128, 127).astype(np.int8)
+    return np.concatenate([codes.view(np.uint8), scale.astype(F32).view(np.uint8)], axis=-1)
+
+
+def anchors_to_f64(anchors: np.ndarray) -> np.ndarray:
+    """Anchor values [..., d] float64 from any anchor format."""
+    fmt = anchor_format(anchors)
+    if fmt != FMT_Q8:
+        return kv_to_f64(anchors, fmt)
+    d = anchors.shape[-1] - Q8_EXTRA
+    codes = np.ascontiguousarray(anchors[..., :d]).view(np.int8).astype(np.float64)
+    return codes * np.ascontiguousarray(anchors[..., d:]).view(F32).astype(np.float64)
 
 
 PF = 32  # blocks ahead whose anchors are prefetched while scoring
 
 
+@njit(nogil=True, cache=True, fastmath=FASTMATH, inline="always")
+def _dot4(sj, a, an, r0, r1, r2, r3, d, a0, a1, a2, a3):
+    """a0..a3 plus the lanes of sj[a] . (row at r0..r3), over the d channels (packed order)."""
+    for gi in range(sj.shape[1] // (2 * W)):
+        qe, qo = vload(sj, a, 2 * W * gi), vload(sj, a, 2 * W * gi + W)
+        e, o = vload2(an, r0, d, gi)
+        a0 = vfma(qe, e, vfma(qo, o, a0))
+        e, o = vload2(an, r1, d, gi)
+        a1 = vfma(qe, e, vfma(qo, o, a1))
+        e, o = vload2(an, r2, d, gi)
+        a2 = vfma(qe, e, vfma(qo, o, a2))
+        e, o = vload2(an, r3, d, gi)
+        a3 = vfma(qe, e, vfma(qo, o, a3))
+    return a0, a1, a2, a3
+
+
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _score_range(qs, an, candidates, i0, i1, out):
-    """Scores of candidates[i0:i1] per KV head into out [Hkv, n]; an [Hkv, nb_cap, A, d] (f32 or
-    BF16 bits); qs [Hkv, A, P] the packed query sum that multiplies each anchor. Head by head, so
-    each head's anchors are one sequential stream; four blocks at a time (four independent FMA
-    chains, one query load and one lane-sum tree for the four)."""
-    hkv, na, d = an.shape[0], an.shape[2], an.shape[3]
-    ng = qs.shape[2] // (2 * W)
-    for j in range(hkv):
-        sj = qs[j]  # [A, P]
-        for i in range(i0, i1, 4):
-            if i + PF < i1:  # anchors PF blocks ahead (4 blocks' rows a step)
-                for r in range(4):
-                    pa = row_addr(an, j, candidates[min(i + PF + r, i1 - 1)], 0)
-                    for off in range(0, na * d * an.itemsize, 64):
-                        prefetch(pa + off)
-            b0 = candidates[i]
-            b1, b2, b3 = (candidates[min(i + 1, i1 - 1)], candidates[min(i + 2, i1 - 1)],
-                          candidates[min(i + 3, i1 - 1)])
-            a0 = a1 = a2 = a3 = vzero()
-            for a in range(na):
-                r0, r1 = row_addr(an, j, b0, a), row_addr(an, j, b1, a)
-                r2, r3 = row_addr(an, j, b2, a), row_addr(an, j, b3, a)
-                for gi in range(ng):
-                    qe, qo = vload(sj, a, 2 * W * gi), vload(sj, a, 2 * W * gi + W)
-                    e, o = vload2(an, r0, d, gi)
-                    a0 = vfma(qe, e, vfma(qo, o, a0))
-                    e, o = vload2(an, r1, d, gi)
-                    a1 = vfma(qe, e, vfma(qo, o, a1))
-                    e, o = vload2(an, r2, d, gi)
-                    a2 = vfma(qe, e, vfma(qo, o, a2))
-                    e, o = vload2(an, r3, d, gi)
-                    a3 = vfma(qe, e, vfma(qo, o, a3))
-            if i + 4 <= i1:
-                vsum4(out, j, i, a0, a1, a2, a3)
-            else:  # the last 1-3 candidates (the rest repeat the last one)
-                out[j, i] = vhsum(a0)
-                if i + 1 < i1:
-                    out[j, i + 1] = vhsum(a1)
-                if i + 2 < i1:
-                    out[j, i + 2] = vhsum(a2)
+def _score_range(qs, an, q8, candidates, i0, i1, j, out):
+    """Scores of candidates[i0:i1] for KV head j into out [Hkv, n]; an [Hkv, nb_cap, A, row] (f32,
+    BF16 bits, or Q8 as int8 with q8 set); qs [Hkv, A, P] the packed query sum that multiplies
+    each anchor. Four blocks at a time (four independent FMA chains, one query load and one
+    lane-sum tree for the four), prefetching PF blocks ahead."""
+    na, row = an.shape[2], an.shape[3]
+    d = row - Q8_EXTRA if q8 else row
+    sj = qs[j]  # [A, P]
+    for i in range(i0, i1, 4):
+        if i + PF < i1:  # anchors PF blocks ahead (4 blocks' rows a step)
+            for r in range(4):
+                pa = row_addr(an, j, candidates[min(i + PF + r, i1 - 1)], 0)
+                for off in range(0, na * row * an.itemsize, 64):
+                    prefetch(pa + off)
+        b0 = candidates[i]
+        b1, b2, b3 = (candidates[min(i + 1, i1 - 1)], candidates[min(i + 2, i1 - 1)],
+                      candidates[min(i + 3, i1 - 1)])
+        a0 = a1 = a2 = a3 = vzero()
+        for a in range(na):
+            r0, r1 = row_addr(an, j, b0, a), row_addr(an, j, b1, a)
+            r2, r3 = row_addr(an, j, b2, a), row_addr(an, j, b3, a)
+            if q8:  # each anchor's dot times its own scale
+                z = vzero()
+                t0, t1, t2, t3 = _dot4(sj, a, an, r0, r1, r2, r3, d, z, z, z, z)
+                a0 = vfma(vsplat(load_f32(r0 + d)), t0, a0)
+                a1 = vfma(vsplat(load_f32(r1 + d)), t1, a1)
+                a2 = vfma(vsplat(load_f32(r2 + d)), t2, a2)
+                a3 = vfma(vsplat(load_f32(r3 + d)), t3, a3)
+            else:
+                a0, a1, a2, a3 = _dot4(sj, a, an, r0, r1, r2, r3, d, a0, a1, a2, a3)
+        if i + 4 <= i1:
+            vsum4(out, j, i, a0, a1, a2, a3)
+        else:  # the last 1-3 candidates (the rest repeat the last one)
+            out[j, i] = vhsum(a0)
+            if i + 1 < i1:
+                out[j, i + 1] = vhsum(a1)
+            if i + 2 < i1:
+                out[j, i + 2] = vhsum(a2)
 
 
 @njit(nogil=True, cache=True)
@@ -235,26 +338,39 @@ def _score_prep(q, hkv, na, quest, perm, n):
 
 
 @njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
-def _score(q, anchors, bf16, candidates, quest, n_parts, perm):
-    # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, d*(2 or 4)]; candidates [n] -> [Hkv, n]
-    n = candidates.shape[0]
-    qs, per_head = _score_prep(q, anchors.shape[0], anchors.shape[2], quest, perm, n)
-    for part in prange(n_parts):
-        i0, i1 = part * n // n_parts, (part + 1) * n // n_parts
-        if bf16:
-            _score_range(qs, anchors.view(np.uint16), candidates, i0, i1, per_head)
+def _score(q, anchors, fmt, candidates, quest, n_parts, perm):
+    # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, row] in format fmt; candidates [n] -> [Hkv, n]
+    n, hkv = candidates.shape[0], anchors.shape[0]
+    qs, per_head = _score_prep(q, hkv, anchors.shape[2], quest, perm, n)
+    per = max(1, n_parts // hkv)  # parts per head: each head's anchors stay one long stream
+    for part in prange(hkv * per):
+        j, c = part // per, part % per
+        i0, i1 = c * n // per, (c + 1) * n // per
+        if fmt == FMT_Q8:
+            _score_range(qs, anchors.view(np.int8), True, candidates, i0, i1, j, per_head)
+        elif fmt == FMT_BF16:
+            _score_range(qs, anchors.view(np.uint16), False, candidates, i0, i1, j, per_head)
         else:
-            _score_range(qs, anchors.view(F32), candidates, i0, i1, per_head)
+            _score_range(qs, anchors.view(F32), False, candidates, i0, i1, j, per_head)
     return per_head
 
 
+def anchor_format(anchors: np.ndarray) -> int:
+    """FMT_F32, FMT_BF16 or FMT_Q8 of anchors [Hkv, nb_cap, A, row] (by dtype)."""
+    fmt = {np.dtype(np.float32): FMT_F32, np.dtype(np.uint16): FMT_BF16,
+           np.dtype(np.uint8): FMT_Q8}.get(anchors.dtype)
+    if fmt is None or anchors.ndim != 4 or (fmt == FMT_Q8 and anchors.shape[3] <= Q8_EXTRA):
+        raise ValueError("anchors must be a float32, uint16 (BF16) or uint8 (Q8, d + 4 bytes a "
+                         f"row) [Hkv, nb_cap, A, row] array, got {anchors.dtype} {anchors.shape}")
+    return fmt
+
+
 def anchor_bytes(anchors: np.ndarray, write: bool = False) -> np.ndarray:
-    """Anchors [Hkv, nb_cap, A, d] (float32, or uint16 BF16 bits) as a uint8 view, read-only
-    unless written (see _simd.readonly_bytes)."""
-    if anchors.ndim != 4 or not anchors.flags.c_contiguous or anchors.dtype not in (
-            np.float32, np.uint16):
-        raise ValueError("anchors must be a C-contiguous float32 or uint16 (BF16) "
-                         "[Hkv, nb_cap, A, d] array")
+    """Anchors [Hkv, nb_cap, A, row] (any format) as a uint8 view, read-only unless written (see
+    _simd.readonly_bytes)."""
+    anchor_format(anchors)
+    if not anchors.flags.c_contiguous:
+        raise ValueError("anchors must be C-contiguous")
     return anchors.view(np.uint8) if write else readonly_bytes(anchors)
 
 
@@ -263,8 +379,8 @@ def score_blocks(q, anchors, candidates, quest, shared):
 
     Per head: mean over anchors of q_h . anchor, or QUEST's bound sum_c max(q_c min_c, q_c max_c)
     (anchors [..., 0] <= [..., 1], as compute_anchors makes them);
-    summed over all heads (shared) or over each KV head's group. anchors [Hkv, nb_cap, A, d] are
-    float32 or BF16 bits (uint16).
+    summed over all heads (shared) or over each KV head's group. anchors [Hkv, nb_cap, A, row] in
+    any anchor format.
     """
     raw = anchor_bytes(anchors)
     candidates = readonly(candidates, np.int32)
@@ -273,9 +389,10 @@ def score_blocks(q, anchors, candidates, quest, shared):
     if quest and anchors.shape[2] != 2:
         raise ValueError("QUEST scores need anchors [..., 2, d] (min, max)")
     n_parts = max(1, min(4 * use_threads(), candidates.size))
-    bf16 = anchors.dtype == np.uint16
-    per_head = _score(readonly(q, F32), raw, bf16, candidates,
-                      bool(quest), n_parts, channel_perm(anchors.shape[3], 1 if bf16 else 0))
+    fmt = anchor_format(anchors)
+    d = anchors.shape[3] - (Q8_EXTRA if fmt == FMT_Q8 else 0)
+    per_head = _score(readonly(q, F32), raw, fmt, candidates, bool(quest), n_parts,
+                      channel_perm(d, 1 if fmt == FMT_BF16 else 0))
     return per_head.sum(0, keepdims=True) if shared else per_head  # [S, n]
 
 
@@ -284,7 +401,7 @@ def score_blocks_ref(q, anchors, candidates, quest, shared):
     hkv = anchors.shape[0]
     g = q.shape[0] // hkv
     qg = q.astype(np.float64).reshape(hkv, g, -1)  # [Hkv, g, d]
-    an = kv_to_f64(anchors[:, candidates], 0 if anchors.dtype == np.float32 else 1)  # [Hkv,n,A,d]
+    an = anchors_to_f64(anchors[:, candidates])  # [Hkv, n, A, d]
     if quest:
         lo, hi = an[:, None, :, 0], an[:, None, :, 1]  # [Hkv, 1, n, d]
         per_group = np.maximum(qg[:, :, None] * lo, qg[:, :, None] * hi).sum((1, 3))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ktlong.errors import KtlongError
+from ktlong.kernels import Q8_EXTRA
 
 # kv_type -> (numpy storage dtype, torch dtype of the values, kernel kind)
 KV_TYPES = {
@@ -110,10 +111,11 @@ class KVStore:
         nb_tail = self.nb_cap - self.nb_base
         self.k_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
         self.v_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
-        # BF16 bit patterns: scoring reads every candidate's anchors each step, so half the
-        # bytes is what keeps a 1M-token step near a 16K one (the kernels decode them)
+        # Q8 rows [H, nb_cap, A, d + 4] (8-bit codes, float32 scale; kernels/anchors.py):
+        # scoring reads every candidate's anchors each step, so their bytes are what a 1M-token
+        # step pays beyond a 16K one
         self.anchors = [
-            np.zeros((H, self.nb_cap, shape.anchor_num, d), np.uint16) for _ in range(L)
+            np.zeros((H, self.nb_cap, shape.anchor_num, d + Q8_EXTRA), np.uint8) for _ in range(L)
         ]
         self.n_anchored = [0] * L  # blocks [0, n_anchored) have anchors
         if base_anchors is not None:

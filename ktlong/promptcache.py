@@ -3,7 +3,8 @@
 One entry is one file, `<key>.ktkv`, in the KV store's own layout so it maps straight back in:
   magic "KTLONGKV" | u32 version | u64 header length | JSON header | pad to 16 KiB |
   token ids int32 [n] | per layer: K, V [Hkv, nb, bs, d] of the full blocks (storage dtype),
-  anchors bf16 bits [Hkv, nb, A, d], K, V [Hkv, rem, d] of the partial last block;
+  anchors Q8 [Hkv, nb, A, d + 4] (kernels/anchors.py; version 1: BF16 bits [Hkv, nb, A, d],
+  still read), K, V [Hkv, rem, d] of the partial last block;
 each section aligned to 4 KiB. The header names the model, tokenizer, kv_type, block_size and RoPE
 (the key: everything that changes KV contents, nothing else) and a CRC-32 per layer, checked on
 load. Entries are written to a temporary name, fsynced and renamed, under a per-key lock; only
@@ -31,11 +32,13 @@ import numpy as np
 from ktlong.config import Settings, ktlong_home
 from ktlong.engine import Progress, Session, check_fits
 from ktlong.errors import KtlongError
+from ktlong.kernels import Q8_EXTRA, kv_to_f64, q8_encode
 from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, from_storage, to_storage
 from ktlong.model import LoadedModel, ModelSpec
 
 MAGIC = b"KTLONGKV"
-VERSION = 1
+VERSION = 2  # written; 1 (BF16 anchors) is read too, its anchors converted
+READABLE = (1, 2)
 ALIGN = 4096
 HEADER_ROOM = 4 * ALIGN  # the header's reserved room; data starts here
 SUFFIX = ".ktkv"
@@ -95,11 +98,13 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
             if len(head) < 20 or head[:8] != MAGIC:
                 raise DamagedEntry("not a ktlong cache file")
             version, n = struct.unpack("<IQ", head[8:])
-            if version != VERSION:
-                raise DamagedEntry(f"cache format version {version}, this ktlong reads {VERSION}")
+            if version not in READABLE:
+                raise DamagedEntry(f"cache format version {version}, this ktlong reads "
+                                   f"{', '.join(map(str, READABLE))}")
             if n > 1 << 26:
                 raise DamagedEntry("damaged header")
             header = json.loads(f.read(n))
+            header["version"] = version  # from the file's first bytes
     except (OSError, ValueError) as e:
         raise DamagedEntry(f"unreadable ({e})") from None
     return header, HEADER_ROOM
@@ -110,7 +115,8 @@ def _layout(h: dict[str, Any]) -> dict[str, int]:
     L, H, d = h["content"]["shape"]
     item = np.dtype(KV_TYPES[h["content"]["kv_type"]][0]).itemsize
     nb, bs, A, rem = h["n_blocks"], h["content"]["block_size"], h["anchor_num"], h["remainder"]
-    kv, an, rm = H * nb * bs * d * item, H * nb * A * d * 2, H * rem * d * item
+    row = 2 * d if h.get("version", VERSION) == 1 else d + Q8_EXTRA  # one anchor's bytes
+    kv, an, rm = H * nb * bs * d * item, H * nb * A * row, H * rem * d * item
     return {
         "kv": kv,
         "anchors": an,
@@ -172,7 +178,13 @@ def map_entry(
         vs.append(v)
         o += 2 * _align(sz["kv"])
         if (header["anchor_type"], header["anchor_num"]) == (anchor_type, anchor_num) and nb:
-            anchors.append(np.array(np.memmap(path, np.uint16, "r", o, (H, nb, anchor_num, d))))
+            if header["version"] == 1:  # BF16 anchors: to Q8
+                a = kv_to_f64(np.memmap(path, np.uint16, "r", o, (H, nb, anchor_num, d)), 1)
+                anchors.append(q8_encode(a.astype(np.float32), anchor_type == "QUEST"))
+            else:
+                anchors.append(
+                    np.array(np.memmap(path, np.uint8, "r", o, (H, nb, anchor_num, d + Q8_EXTRA)))
+                )
         o += _align(sz["anchors"])
         tk = [k[:, b].reshape(H, bs, d) for b in range(n_base, nb)]  # [H, bs, d] each
         tv = [v[:, b].reshape(H, bs, d) for b in range(n_base, nb)]

@@ -41,7 +41,8 @@ def test_rounds_interleave_contexts():
 
 def test_bench_decode_quest_reads_two_anchors(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]):
-    """--quest scores blocks by Quest's bound: the same attended tokens, twice the anchor bytes."""
+    """--quest scores blocks by Quest's bound: the same attended tokens, twice the anchor bytes
+    (Q8: 128 codes and a 4-byte scale per KV head)."""
     monkeypatch.setattr(decode, "BANDWIDTH_BYTES", 8 << 20)
     monkeypatch.setattr(decode, "FLUSH_BYTES", 1 << 20)
     got = {}
@@ -52,4 +53,5 @@ def test_bench_decode_quest_reads_two_anchors(monkeypatch: pytest.MonkeyPatch,
         got[quest] = data["rows"][0]
     assert got[True]["attended_tokens"] == got[False]["attended_tokens"]
     candidates = (20000 - 4096) // 128 - 1  # between the init block and the local window
-    assert got[True]["kv_read_bytes"] - got[False]["kv_read_bytes"] == candidates * 8 * 128 * 2
+    assert got[True]["kv_read_bytes"] - got[False]["kv_read_bytes"] == candidates * 8 * (128 + 4)
+    assert all(r["sparse_bf16_anchors_ms"] > 0 for r in got.values())

@@ -19,7 +19,8 @@ TYPES = ("MAX", "MEAN", "QUEST", "FIX", "DYNAMIC")
 @pytest.mark.parametrize("anchor_type", TYPES)
 @pytest.mark.parametrize("bs", [1, 16, 128])
 def test_anchors_match_reference(kind, anchor_type, bs):
-    """float32 anchors equal the reference; BF16 anchors (uint16) equal it to bf16 rounding."""
+    """float32 anchors equal the reference; BF16 anchors (uint16) equal it to bf16 rounding; Q8
+    anchors (uint8) equal it to one code step."""
     rng = np.random.default_rng(100 * TYPES.index(anchor_type) + 10 * kind + bs)
     nums = [2] if anchor_type == "QUEST" else [n for n in (1, 3, 4) if n <= bs]
     for num in nums:
@@ -31,8 +32,9 @@ def test_anchors_match_reference(kind, anchor_type, bs):
         # coarse scores make ties: the earliest token must win
         scores = np.round(rng.random((hkv, nb * bs)) * 4).astype(np.float32)
         first, last = int(rng.integers(0, nb)), nb
-        for dtype in (np.float32, np.uint16):
-            got = np.full((hkv, nb + 2, num, d), 7, dtype)  # spare capacity stays untouched
+        for dtype in (np.float32, np.uint16, np.uint8):
+            row = d + K.Q8_EXTRA if dtype == np.uint8 else d
+            got = np.full((hkv, nb + 2, num, row), 7, dtype)  # spare capacity stays untouched
             want = got.copy()
             K.compute_anchors(kb, kt, nb_base, first, last, anchor_type, num, got, scores,
                               kv_kind=kind)
@@ -40,6 +42,14 @@ def test_anchors_match_reference(kind, anchor_type, bs):
                                   kv_kind=kind)
             if dtype == np.float32:
                 np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            elif dtype == np.uint8:  # a float32 mean may round to the neighbouring code
+                np.testing.assert_array_equal(got[:, :first], want[:, :first])
+                step = want[..., d:].copy().view(np.float32)  # [..., 1]: the scales
+                np.testing.assert_allclose(got[..., d:].copy().view(np.float32), step, rtol=1e-6)
+                err = np.abs(K.anchors_to_f64(got) - K.anchors_to_f64(want))
+                assert np.all(err <= 1.001 * step + 1e-12)
+                if anchor_type != "MEAN":  # copies of keys: bit-equal
+                    np.testing.assert_array_equal(got, want)
             else:  # a mean summed in float32 may round to the neighbouring bf16 value
                 np.testing.assert_allclose(K.kv_to_f64(got, 1), K.kv_to_f64(want, 1), rtol=8e-3,
                                            atol=1e-6)
@@ -59,16 +69,17 @@ def test_anchors_reject_bad_arguments():
 @pytest.mark.parametrize("quest", [False, True])
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("g", [1, 4, 8])
-@pytest.mark.parametrize("bf16", [False, True])
-def test_scores_match_reference(quest, shared, g, bf16):
-    rng = np.random.default_rng(int(quest) + 2 * int(shared) + 4 * g + 40 * int(bf16))
-    hkv, d, nb = 3, 64, 50
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8"])
+@pytest.mark.parametrize("d", [64, 40])
+def test_scores_match_reference(quest, shared, g, fmt, d):
+    rng = np.random.default_rng(int(quest) + 2 * int(shared) + 4 * g + 40 * len(fmt) + d)
+    hkv, nb = 3, 50
     num = 2 if quest else int(rng.integers(1, 4))
     anchors = rng.standard_normal((hkv, nb, num, d)).astype(np.float32)
     if quest:
         anchors.sort(axis=2)  # [..., 0] min, [..., 1] max
-    if bf16:
-        anchors = K.f32_to_kv(anchors, 1)
+    anchors = {"f32": lambda a: a, "bf16": lambda a: K.f32_to_kv(a, 1),
+               "q8": lambda a: K.q8_encode(a, quest)}[fmt](anchors)
     q = rng.standard_normal((hkv * g, d)).astype(np.float32)
     cand = np.sort(rng.choice(nb, 20, replace=False)).astype(np.int32)
     got = K.score_blocks(q, anchors, cand, quest, shared)
@@ -79,11 +90,13 @@ def test_scores_match_reference(quest, shared, g, bf16):
 
 @pytest.mark.parametrize("n_cand", [1, 2, 3, 4, 5, 7, 45, 299])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_scores_any_candidate_count(n_cand, threads):
+@pytest.mark.parametrize("q8", [False, True])
+def test_scores_any_candidate_count(n_cand, threads, q8):
     """Blocks are scored four at a time: counts (and per-thread parts) that are not a multiple
     of 4 score their last 1-3 blocks alone; parts longer than the prefetch distance prefetch."""
     rng = np.random.default_rng(n_cand)
-    anchors = K.f32_to_kv(rng.standard_normal((2, 300, 1, 128)).astype(np.float32), 1)
+    f = rng.standard_normal((2, 300, 1, 128)).astype(np.float32)
+    anchors = K.q8_encode(f) if q8 else K.f32_to_kv(f, 1)
     q = rng.standard_normal((8, 128)).astype(np.float32)
     cand = np.sort(rng.choice(300, n_cand, replace=False)).astype(np.int32)
     K.configure_threads(threads)
@@ -93,6 +106,36 @@ def test_scores_any_candidate_count(n_cand, threads):
         K.configure_threads(0)
     np.testing.assert_allclose(got, K.score_blocks_ref(q, anchors, cand, False, False),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_q8_encoding_error_and_quest_bound():
+    """Q8 rounds each channel to within half a step of its value (the step: the anchor's
+    largest |channel| / 127); QUEST's pair rounds outward, so its bound still covers every key
+    of the block, and scores from Q8 anchors stay close to scores from exact ones."""
+    rng = np.random.default_rng(5)
+    hkv, nb, bs, d, g = 2, 40, 32, 64, 4
+    x = (rng.standard_normal((hkv, nb, 3, d)) * rng.lognormal(0, 1, (1, 1, 1, d))).astype(
+        np.float32)  # channels of very different sizes, as real keys have
+    q8 = K.q8_encode(x)
+    step = np.abs(x).max(-1, keepdims=True) / 127
+    assert np.all(np.abs(K.anchors_to_f64(q8) - x) <= 0.5001 * step)
+    x.sort(axis=2)  # the reference's outward rounding: a min and a max
+    lo_hi = K.anchors_to_f64(K.q8_encode(x[:, :, 1:], quest=True))
+    assert np.all(lo_hi[:, :, 0] <= x[:, :, 1]) and np.all(lo_hi[:, :, 1] >= x[:, :, 2])
+    k = K.f32_to_kv(rng.standard_normal((hkv, nb, bs, d)).astype(np.float32), 1)
+    an = np.zeros((hkv, nb, 2, d + K.Q8_EXTRA), np.uint8)
+    K.compute_anchors(k[:, :0], k, 0, 0, nb, "QUEST", 2, an, kv_kind=1)
+    lo_hi = K.anchors_to_f64(an)  # [Hkv, nb, 2, d]
+    keys = K.kv_to_f64(k, 1)  # [Hkv, nb, bs, d]
+    assert np.all(lo_hi[:, :, :1] <= keys) and np.all(keys <= lo_hi[:, :, 1:])
+    q = rng.standard_normal((hkv * g, d)).astype(np.float32)
+    cand = np.arange(nb, dtype=np.int32)
+    bound = K.score_blocks(q, an, cand, True, False)  # [Hkv, nb]
+    qk = np.einsum("jgc,jbtc->jgbt", q.reshape(hkv, g, d).astype(np.float64), keys)
+    assert np.all(bound >= qk.max(-1).sum(1) - 1e-4)
+    exact = K.score_blocks_ref(q, x, cand, False, False)
+    np.testing.assert_allclose(K.score_blocks(q, q8, cand, False, False), exact,
+                               atol=0.02 * np.abs(exact).max())
 
 
 @pytest.mark.parametrize("k", [0, 1, 5, 19, 20, 30])

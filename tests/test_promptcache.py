@@ -13,10 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ktlong import kernels
 from ktlong.engine import Sampling
 from ktlong.errors import KtlongError
 from ktlong.model import load_model
 from ktlong.promptcache import (
+    ALIGN,
+    MAGIC,
     SUFFIX,
     load_conversation,
     open_cache,
@@ -107,6 +110,60 @@ def test_damaged_entry_is_reported_and_recomputed(lm, tmp_path, damage):
         assert opened.source == "prefill" and "damaged" in opened.note
     assert _answer(opened.session) == fresh
     read_header(_entry(tmp_path))  # a good entry was written back
+
+
+def _rewrite_as_version_1(path: Path) -> None:
+    """Rewrite a cache entry in format 1 (what ktlong wrote before Q8 anchors): BF16 anchors
+    [Hkv, nb, A, d] in place of the Q8 rows [Hkv, nb, A, d + 4], CRCs and version to match."""
+    import json
+    import struct
+    import zlib
+
+    header, offset = read_header(path)
+    raw = path.read_bytes()
+    L, H, d = header["content"]["shape"]
+    item = {"FP32": 4, "BF16": 2, "FP16": 2}[header["content"]["kv_type"]]
+    nb, A, rem = header["n_blocks"], header["anchor_num"], header["remainder"]
+    bs = header["content"]["block_size"]
+    al = lambda n: -(-n // ALIGN) * ALIGN  # noqa: E731
+    kv, q8, rm = H * nb * bs * d * item, H * nb * A * (d + 4), H * rem * d * item
+    o = offset + al(header["n_tokens"] * 4)
+    out, crcs = [raw[:o]], []
+    for _ in range(L):
+        kvs = raw[o:o + 2 * al(kv)]
+        q = np.frombuffer(raw, np.uint8, q8, o + 2 * al(kv)).reshape(H, nb, A, d + 4)
+        bf = kernels.f32_to_kv(kernels.anchors_to_f64(q).astype(np.float32), 1).tobytes()
+        bf += bytes(al(len(bf)) - len(bf))
+        rems = raw[o + 2 * al(kv) + al(q8):o + 2 * al(kv) + al(q8) + 2 * al(rm)]
+        crcs.append(zlib.crc32(rems, zlib.crc32(bf, zlib.crc32(kvs))))
+        out += [kvs, bf, rems]
+        o += 2 * al(kv) + al(q8) + 2 * al(rm)
+    del header["version"]
+    header["layer_crc"] = crcs
+    js = json.dumps(header).encode()
+    body = b"".join(out)
+    path.write_bytes(MAGIC + struct.pack("<IQ", 1, len(js)) + js + body[20 + len(js):])
+
+
+def test_entry_of_format_1_is_read_with_its_anchors_converted(lm, tmp_path):
+    """Entries written before Q8 anchors (BF16 anchors, format 1) still serve: their anchors are
+    converted, not recomputed, so the chat starts at once and answers as before."""
+    st = settings(anchor_type="MAX", second_select_num=3)  # few blocks: anchors decide
+    ids = _ids(lm, 1500)
+    first = open_document(lm, st, ids, cache_dir=tmp_path)
+    fresh = _answer(first.session)
+    path = first.entry
+    _rewrite_as_version_1(path)
+    assert read_header(path)[0]["version"] == 1
+    again = open_document(lm, st, ids, cache_dir=tmp_path)
+    assert again.source == "cache" and again.entry == path
+    nb = again.session.store.nb_base
+    for layer, got in enumerate(again.session.store.anchors):
+        q8 = first.session.store.anchors[layer][:, :nb]
+        bf = kernels.f32_to_kv(kernels.anchors_to_f64(q8).astype(np.float32), 1)
+        np.testing.assert_array_equal(
+            got[:, :nb], kernels.q8_encode(kernels.kv_to_f64(bf, 1).astype(np.float32)))
+    assert _answer(again.session) == fresh
 
 
 def test_other_model_entry_is_not_used(lm, tmp_path):
