@@ -208,8 +208,8 @@ def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc, m,
     while nt > 0:
         nxt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t,
                           ra[1 - cur], rv[1 - cur])
-        # start the next chunk's page walks now: its prefetches alone wait for them (blocks
-        # picked from a 1M context attend 5-7% faster)
+        # start the next chunk's page walks now, ahead of its prefetches (ad hoc A/Bs: 4-14%
+        # faster over blocks picked from a 1M context; docs/benchmarks.md, session 9)
         for r in range(0, nxt, step):
             touch(ra[1 - cur, r])
             touch(rv[1 - cur, r])

@@ -1,19 +1,18 @@
 """`ktlong bench decode`: one layer's decode attention, block-sparse against exact dense.
 
 InternLM2.5-7B shapes (32 query heads, 8 KV heads, head_dim 128, BF16 KV) and the default profile's
-budget: block 128, init 128 tokens, local window 4096, 96 selected blocks chosen by scoring one
-Q8 anchor per block (SHARED; Q8 as the store keeps them; `--quest`: two, each block's min and max
-key, scored by Quest's bound as the recall profile does); scoring and top-k are inside the sparse
-time. The same step with BF16 anchors (twice the anchor bytes) is timed beside it. Dense is timed
-by every exact CPU path here (this kernel over all blocks, torch grouped matmul, torch SDPA) and the
-best is reported. The KV (4.3 GB at 1M) is allocated once and
-its prefixes serve the shorter contexts. Each round times every kernel path at every context once,
-each beside a sweep that measures the machine's streaming read bandwidth, each after a cache flush
-(a real decode reads 32 layers of KV, so none of it is cache-resident). Times are medians over the
-rounds; the two ratios the targets are about (time at a context over time at the shortest one, KV
-read rate over streaming bandwidth) are taken within each round, then their median, so a slow
-minute of the machine hits both sides of a ratio alike. Torch paths, far slower, report their best
-run.
+budget: block 128, init 128 tokens, local window 4096, 96 selected blocks chosen by scoring one Q8
+anchor per block (SHARED; Q8 as the store keeps them; `--quest`: two, each block's min and max key,
+scored by Quest's bound as the recall profile does); scoring and top-k are inside the sparse time.
+The same step with BF16 anchors (twice the anchor bytes) is timed beside it. Dense is timed by every
+exact CPU path here (this kernel over all blocks, torch grouped matmul, torch SDPA) and the best is
+reported. The KV (4.3 GB at 1M) is allocated once and its prefixes serve the shorter contexts. Each
+round times every kernel path at every context once, each beside a sweep that measures the machine's
+streaming read bandwidth, each after a cache flush (a real decode reads 32 layers of KV, so none of
+it is cache-resident). Times are medians over the rounds; the two ratios the targets are about (time
+at a context over time at the shortest one, KV read rate over streaming bandwidth) are taken within
+each round, then their median, so a slow minute of the machine hits both sides of a ratio alike.
+Torch paths, far slower, report their best run.
 """
 from __future__ import annotations
 
