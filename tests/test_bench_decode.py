@@ -55,3 +55,17 @@ def test_bench_decode_quest_reads_two_anchors(monkeypatch: pytest.MonkeyPatch,
     candidates = (20000 - 4096) // 128 - 1  # between the init block and the local window
     assert got[True]["kv_read_bytes"] - got[False]["kv_read_bytes"] == candidates * 8 * (128 + 4)
     assert all(r["sparse_bf16_anchors_ms"] > 0 for r in got.values())
+
+
+def test_bench_decode_table_fits_80_columns(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]):
+    """The table's every figure is printed whole in an 80-column terminal (rich cuts a cell that
+    does not fit to '…')."""
+    monkeypatch.setattr(decode, "BANDWIDTH_BYTES", 8 << 20)
+    monkeypatch.setattr(decode, "FLUSH_BYTES", 1 << 20)
+    monkeypatch.setenv("COLUMNS", "80")
+    decode.main(contexts=[20000, 1000], repeats=1, threads=1, as_json=False)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "20,000" in out and "1,000" in out and "KV" in out
