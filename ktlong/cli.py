@@ -354,7 +354,7 @@ def inspect_cache(remove: Annotated[list[str] | None, typer.Option(
                       "--cache-dir", metavar="DIR", show_default=False,
                       help="The prompt cache folder (default: KTLONG_HOME/cache).")] = None,
                   as_json: JsonOpt = False) -> None:
-    """Prompt-cache entries (model, tokens, size, created, last used); --remove deletes some."""
+    """Prompt-cache entries (model, tokens, size, last used); --remove deletes some."""
     from ktlong import render
     from ktlong.promptcache import list_entries, remove_entries
 

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -95,15 +96,21 @@ def cache_entries(rows: list[dict[str, Any]], removed: list[str]) -> None:
     if not rows:
         out.print("the prompt cache is empty")
         return
-    table = Table(title="prompt cache")
-    for col in ("key", "kind", "model", "tokens", "kv", "size", "created", "last used"):
-        table.add_column(col, justify="right" if col in ("tokens", "size") else "left")
+    table = Table(title="prompt cache (--json: full keys, paths, creation times)",
+                  box=box.SIMPLE_HEAD)
+    for col in ("key", "kind", "model", "tokens", "kv", "size", "last used"):
+        table.add_column(col, justify="right" if col in ("tokens", "size") else "left",
+                         overflow="fold")  # wrap, never cut
 
     def when(t: float | None) -> str:
-        return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "?"
+        return time.strftime("%m-%d %H:%M", time.localtime(t)) if t else "?"
+
+    def size(n: int) -> str:
+        return f"{n / 1e6:.3g} MB" if n < 1e9 else memory.gb(n)
 
     for r in rows:
-        table.add_row(r["key"][:12], r["kind"] + ("" if r["ok"] else " (damaged)"),
-                      escape(str(r["model"])), f"{r['tokens'] or 0:,}", str(r["kv_type"]),
-                      memory.gb(r["bytes"]), when(r["created"]), when(r["last_used"]))
+        model = str(r["model"]).rstrip("/").rsplit("/", 1)[-1]
+        table.add_row(r["key"][:8], r["kind"] + ("" if r["ok"] else " (damaged)"),
+                      escape(model), f"{r['tokens'] or 0:,}", str(r["kv_type"]),
+                      size(r["bytes"]), when(r["last_used"]))
     out.print(table)

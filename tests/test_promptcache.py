@@ -276,6 +276,10 @@ def test_inspect_cache_lists_and_removes_entries(lm, tmp_path):
     assert run.exit_code == 0, run.output
     (row,) = json.loads(run.output)["entries"]
     assert row["key"] == key and row["tokens"] == 600 and row["bytes"] > 0
+    run = CliRunner().invoke(app, ["inspect", "cache", "--cache-dir", str(tmp_path)],
+                             env={"COLUMNS": "80"})
+    assert run.exit_code == 0 and key[:8] in run.output and "600" in run.output
+    assert "…" not in run.output and max(map(len, run.output.splitlines())) <= 80
     run = CliRunner().invoke(
         app, ["inspect", "cache", "--cache-dir", str(tmp_path), "--remove", key[:8]]
     )
