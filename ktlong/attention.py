@@ -126,6 +126,16 @@ class AttentionRouter:
         n = k.shape[1]
         dk[:, start : start + n], dv[:, start : start + n] = k.to(tdtype), v.to(tdtype)
 
+    def _past(self, start: int) -> list[tuple[int, int]]:
+        """Token ranges before `start` that a prefill chunk starting there attends: all of them,
+        or with `prefill_window` W the first init_len tokens and the last W (StreamingLLM-style:
+        a model never sees a distance much beyond W + chunk while it reads the document)."""
+        s = getattr(self.policy, "s", None)  # no policy: everything
+        w, init = (s.prefill_window, min(s.init_len, start)) if s is not None else (0, 0)
+        if w <= 0 or start - w <= init:
+            return [(0, start)]
+        return [(0, init), (start - w, start)] if init else [(start - w, start)]
+
     def _dense(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         if q.device.type == "cpu" and _FLASH_CPU is not None:
             return self._dense_flash(layer, q, start, scale)
@@ -144,10 +154,11 @@ class AttentionRouter:
             heads = slice(h * g, (h + 1) * g)
             qh = q[heads].float().reshape(1, 1, g * L, d)  # row j*L + i: head h*g + j, token i
             o = lse = None
-            for t0 in range(0, start, seg):
-                k, v = self.store.token_range(layer, t0, min(start, t0 + seg), slice(h, h + 1))
-                op, lp = _FLASH_CPU(qh, k[None], v[None], 0.0, False, scale=scale)[:2]
-                o, lse = (op, lp) if o is None else _merge(o, lse, op, lp)
+            for a, b in self._past(start):
+                for t0 in range(a, b, seg):
+                    k, v = self.store.token_range(layer, t0, min(b, t0 + seg), slice(h, h + 1))
+                    op, lp = _FLASH_CPU(qh, k[None], v[None], 0.0, False, scale=scale)[:2]
+                    o, lse = (op, lp) if o is None else _merge(o, lse, op, lp)
             oc = torch.empty(1, 1, g * L, d)  # the causal square, one query head per call
             lc = torch.empty(1, 1, g * L)
             k, v = self.store.token_range(layer, start, start + L, slice(h, h + 1))  # [1, L, d]
@@ -172,8 +183,9 @@ class AttentionRouter:
         denom = torch.zeros((Hkv, g * L), device=q.device)
         acc = torch.zeros((Hkv, g * L, d), device=q.device)
         tile = max(256, TILE_ELEMS // (Hq * L))
-        for t0 in range(0, end, tile):
-            t1 = min(end, t0 + tile)
+        tiles = [(t0, min(b, t0 + tile)) for a, b in self._past(start) + [(start, end)]
+                 for t0 in range(a, b, tile)]
+        for t0, t1 in tiles:
             kt, vt = self._tile(layer, t0, t1)  # [Hkv, T, d]
             s = torch.bmm(qg, kt.transpose(1, 2))  # [Hkv, g*L, T]
             if t1 > start + 1:  # the tile reaches this chunk: causal mask

@@ -237,8 +237,8 @@ def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str) -> tu
     for q in d.questions:
         typer.echo(f"  {q}", err=True)
     if model is None:
-        typer.echo("note: the built-in demo model (1.1M parameters) finds pass keys up to ~32K "
-                   "tokens and needles up to ~32K, but often misses key-value records; "
+        typer.echo("note: the built-in demo model (1.1M parameters) finds pass keys up to ~128K "
+                   "tokens and needles up to ~64K, but often misses key-value records; "
                    "pass --model for a real one", err=True)
     return model or d.model, str(d.document)
 

@@ -99,6 +99,9 @@ class Settings:
     layer_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N layers", 1)
     gpu_local_window: bool = _f("bool", True, "sparse attention", "Attend to the local window on "
                                 "the GPU when there is one")
+    prefill_window: int = _f("int", 12288, "sparse attention", "Past tokens each prompt token "
+                             "attends while a document is read, besides init_len; 0 = all "
+                             "(exact)", 0)
     # preselection (SnapKV-style, once per question)
     preselect_block: bool = _f("bool", False, "preselection", "Preselect blocks once per "
                                "question; decode picks only among them")

@@ -63,7 +63,7 @@ def cache_root(settings: Settings, cache_dir: Path | None = None) -> Path:
 
 def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     """Everything besides the token ids that changes the KV contents."""
-    return {
+    key = {
         "model": spec.fingerprint,
         "tokenizer": spec.tokenizer_fingerprint,
         "arch": spec.arch,
@@ -73,6 +73,9 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "rope_scaling": spec.rope_scaling,
         "shape": [spec.n_layers, spec.n_kv_heads, spec.head_dim],
     }
+    if settings.prefill_window:  # a windowed prefill makes other KV (0 keeps older keys valid)
+        key.update(prefill_window=settings.prefill_window, init_len=settings.init_len)
+    return key
 
 
 def _ids_hash(ids: list[int] | np.ndarray) -> str:

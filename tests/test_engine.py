@@ -141,6 +141,42 @@ def test_fused_and_tiled_prefill_attention_agree():
     assert fused.transpose(0, 1).is_contiguous()  # [L, Hq, d]
 
 
+@pytest.mark.parametrize("window,init", [(1000, 32), (1000, 0), (2990, 32), (5000, 32)])
+def test_windowed_prefill_attends_init_and_the_last_window(window, init):
+    """With prefill_window W, a chunk starting at `past` attends the first init_len tokens, the
+    W before it and itself (causal), by both prefill paths; a window that reaches the start is
+    the exact attention."""
+    from types import SimpleNamespace
+
+    import ktlong.attention as att
+    from ktlong.kvstore import KVStore, StoreShape
+
+    Hq, Hkv, d, past, chunk = 8, 2, 16, 3000, 700
+    store = KVStore(StoreShape(1, Hkv, d, 16, "FP32", 1), past + chunk)
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(Hkv, past + chunk, d, generator=g)
+    v = torch.randn(Hkv, past + chunk, d, generator=g)
+    store.write(0, k, v)
+    policy = SimpleNamespace(s=SimpleNamespace(prefill_window=window, init_len=init))
+    router = att.AttentionRouter(store, policy, torch.device("cpu"))
+    q = torch.randn(Hq, chunk, d, generator=g)
+    kpos, qpos = torch.arange(past + chunk), past + torch.arange(chunk)
+    seen = (kpos[None] <= qpos[:, None]) & (
+        (kpos[None] < init) | (kpos[None] >= past - window) | (past - window <= init))
+    kr, vr = k.repeat_interleave(Hq // Hkv, 0), v.repeat_interleave(Hq // Hkv, 0)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[None], kr[None], vr[None], attn_mask=seen, scale=0.3)[0]  # [Hq, L, d]
+    old = att.PAST_SEGMENT_ELEMS
+    att.PAST_SEGMENT_ELEMS = 1024 * d  # several past segments per head
+    try:
+        fused = router._dense_flash(0, q, past, 0.3)  # [L, Hq, d] memory, [Hq, L, d] view
+    finally:
+        att.PAST_SEGMENT_ELEMS = old
+    tiled = router._dense_tiled(0, q, past, 0.3)
+    assert (fused - want).abs().max().item() < 1e-5
+    assert (tiled - want).abs().max().item() < 1e-5
+
+
 def test_captured_queries_hold_only_their_own_rows():
     """The prompt's last queries (DYNAMIC anchors, preselection votes) are copies of just those
     rows, equal to the queries a one-shot prefill captures: a view would keep each layer's whole

@@ -76,6 +76,9 @@ def test_selection_settings_do_not_invalidate_but_kv_settings_do(lm, tmp_path):
     other_policy = settings(anchor_type="MEAN", second_select_num=3, token_step=2)
     assert open_document(lm, other_policy, ids, cache_dir=tmp_path).source == "cache"
     assert open_document(lm, settings(kv_type="BF16"), ids, cache_dir=tmp_path).source == "prefill"
+    windowed = settings(anchor_type="MEAN", prefill_window=256)  # other KV: its own entry
+    assert open_document(lm, windowed, ids, cache_dir=tmp_path).source == "prefill"
+    assert open_document(lm, windowed, ids, cache_dir=tmp_path).source == "cache"
     assert (
         open_document(lm, settings(block_size=32, init_len=32), ids, cache_dir=tmp_path).source
         == "prefill"

@@ -4,12 +4,14 @@ Each document (ktlong.demo.tasks.make_mixed) hides one pass key, several key-val
 needle; sample i of n puts the asked facts at depths (i + 0.5) / n, shifted by a third per task,
 so every (length, task) cell covers the depths evenly. The three questions are asked one at a time
 after the document, exactly as `ktlong chat` asks them: Conversation renders the prompt, the
-document is prefilled once (dense, exact, chunked), and each question is appended to it.
+document is prefilled (chunked; exact, or windowed under a profile's prefill_window), and each
+question is appended to it.
 
-Selection settings do not change the KV cache, so the document is prefilled ONCE and its K, V
-copied into a fresh store per profile (block_size and anchor_num set each profile's layout). Each
-profile then sees what a chat under it would see: its anchors come from the same vote of the
-document's last queries (DYNAMIC), its preselection from the question's; answers are greedy.
+Selection settings do not change the KV cache, so the document is prefilled once per distinct
+prefill (prefill_window and, with one, init_len) and its K, V copied into a fresh store per profile
+(block_size and anchor_num set each profile's layout). Each profile then sees what a chat under it
+would see: its anchors come from the vote of the document's last queries (DYNAMIC), its
+preselection from the question's; answers are greedy.
 """
 from __future__ import annotations
 
@@ -46,6 +48,11 @@ def depths_for(i: int, n: int) -> dict[str, float]:
     return {t: (base + j / len(tasks.TASKS)) % 1.0 for j, t in enumerate(tasks.TASKS)}
 
 
+def _prefill_key(st: Any) -> tuple[int, int]:
+    """What of a profile's settings changes the document's KV: (prefill_window, init_len)."""
+    return (st.prefill_window, st.init_len if st.prefill_window else 0)
+
+
 def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
     """A fresh store of `shape` holding the first `n` tokens of `src` (a memcpy, no forward)."""
     from ktlong.kvstore import KVStore
@@ -79,24 +86,34 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
         cap = n_tok + 1024
         common = {"max_seq_len": cap, "device": "CPU", "threads_num": threads}
         per = {p: resolve_settings(p, common, config_file=False).settings for p in profiles}
-        base = resolve_settings("dense", common, config_file=False).settings
+        bases = {}  # prefill key -> the dense settings that prefill the document that way
+        for st in per.values():
+            key = _prefill_key(st)
+            if key not in bases:
+                over = {**common, "prefill_window": key[0]}
+                if key[0]:
+                    over["init_len"] = key[1]
+                bases[key] = resolve_settings("dense", over, config_file=False).settings
         for i in range(samples):
             t0 = time.perf_counter()
             sample = tasks.make_mixed(seed * 1_000_003 + n_tok * 101 + i, n_tok,
                                       depths_for(i, samples), count=count)
             conv = Conversation(tok, sample.document)
             doc_ids = conv.document_ids()
-            s0 = Session(lm, base)
-            s0.prefill(doc_ids)
-            captured = s0.router.captured  # the document's last queries, per layer
+            prefilled = {}
+            for key, base in bases.items():
+                s0 = Session(lm, base)
+                s0.prefill(doc_ids)
+                prefilled[key] = s0  # its store, and the document's last queries per layer
             prefill_s = time.perf_counter() - t0
             line = []
             for name, st in per.items():
+                s0 = prefilled[_prefill_key(st)]
                 shape = StoreShape(spec.n_layers, spec.n_kv_heads, spec.head_dim, st.block_size,
                                    st.kv_type, st.anchor_num)
                 store = _copy_store(s0.store, shape, len(doc_ids), cap)
                 sess = Session(lm, st, store=store, tokens=doc_ids)
-                sess.policy.on_prefill_end(captured, len(doc_ids))
+                sess.policy.on_prefill_end(s0.router.captured, len(doc_ids))
                 right = 0
                 for fact in sample.asked:
                     sess.extend_to(conv.prompt_ids(fact.question))
