@@ -176,7 +176,8 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
         raise ValueError(f"unknown anchor_type {anchor_type!r}")
     kind = ANCHOR_TYPES[anchor_type]
     hkv, _, bs, d = k_tail.shape
-    want = (hkv, anchors.shape[1], anchor_num, d + (Q8_EXTRA if anchors.dtype == np.uint8 else 0))
+    raw, fmt = anchor_bytes(anchors, write=True)
+    want = (hkv, anchors.shape[1], anchor_num, d + (Q8_EXTRA if fmt == FMT_Q8 else 0))
     if anchors.shape != want:
         raise ValueError(f"anchors must be {list(want)}, got {list(anchors.shape)}")
     if (kind == 2 and anchor_num != 2) or (kind != 2 and not 1 <= anchor_num <= bs):
@@ -192,8 +193,7 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     if last > first:
         use_threads()
         _anchors(kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind), kv_kind,
-                 nb_base, first, last, kind, anchor_bytes(anchors, write=True),
-                 anchor_format(anchors), token_scores)
+                 nb_base, first, last, kind, raw, fmt, token_scores)
 
 
 def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
@@ -355,23 +355,26 @@ def _score(q, anchors, fmt, candidates, quest, n_parts, perm):
     return per_head
 
 
+_FORMATS = {np.dtype(np.float32): FMT_F32, np.dtype(np.uint16): FMT_BF16,
+            np.dtype(np.uint8): FMT_Q8}
+
+
 def anchor_format(anchors: np.ndarray) -> int:
     """FMT_F32, FMT_BF16 or FMT_Q8 of anchors [Hkv, nb_cap, A, row] (by dtype)."""
-    fmt = {np.dtype(np.float32): FMT_F32, np.dtype(np.uint16): FMT_BF16,
-           np.dtype(np.uint8): FMT_Q8}.get(anchors.dtype)
+    fmt = _FORMATS.get(anchors.dtype)
     if fmt is None or anchors.ndim != 4 or (fmt == FMT_Q8 and anchors.shape[3] <= Q8_EXTRA):
         raise ValueError("anchors must be a float32, uint16 (BF16) or uint8 (Q8, d + 4 bytes a "
                          f"row) [Hkv, nb_cap, A, row] array, got {anchors.dtype} {anchors.shape}")
     return fmt
 
 
-def anchor_bytes(anchors: np.ndarray, write: bool = False) -> np.ndarray:
+def anchor_bytes(anchors: np.ndarray, write: bool = False) -> tuple[np.ndarray, int]:
     """Anchors [Hkv, nb_cap, A, row] (any format) as a uint8 view, read-only unless written (see
-    _simd.readonly_bytes)."""
-    anchor_format(anchors)
+    _simd.readonly_bytes), and their format."""
+    fmt = anchor_format(anchors)
     if not anchors.flags.c_contiguous:
         raise ValueError("anchors must be C-contiguous")
-    return anchors.view(np.uint8) if write else readonly_bytes(anchors)
+    return (anchors.view(np.uint8) if write else readonly_bytes(anchors)), fmt
 
 
 def score_blocks(q, anchors, candidates, quest, shared):
@@ -382,14 +385,13 @@ def score_blocks(q, anchors, candidates, quest, shared):
     summed over all heads (shared) or over each KV head's group. anchors [Hkv, nb_cap, A, row] in
     any anchor format.
     """
-    raw = anchor_bytes(anchors)
+    raw, fmt = anchor_bytes(anchors)
     candidates = readonly(candidates, np.int32)
     if candidates.size and (candidates.min() < 0 or candidates.max() >= anchors.shape[1]):
         raise ValueError("candidate block id out of range")
     if quest and anchors.shape[2] != 2:
         raise ValueError("QUEST scores need anchors [..., 2, d] (min, max)")
     n_parts = max(1, min(4 * use_threads(), candidates.size))
-    fmt = anchor_format(anchors)
     d = anchors.shape[3] - (Q8_EXTRA if fmt == FMT_Q8 else 0)
     per_head = _score(readonly(q, F32), raw, fmt, candidates, bool(quest), n_parts,
                       channel_perm(d, 1 if fmt == FMT_BF16 else 0))

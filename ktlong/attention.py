@@ -130,8 +130,8 @@ class AttentionRouter:
         """Token ranges before `start` that a prefill chunk starting there attends: all of them,
         or with `prefill_window` W the first init_len tokens and the last W (StreamingLLM-style:
         a model never sees a distance much beyond W + chunk while it reads the document)."""
-        s = getattr(self.policy, "s", None)  # no policy: everything
-        w, init = (s.prefill_window, min(s.init_len, start)) if s is not None else (0, 0)
+        s = self.policy.s
+        w, init = s.prefill_window, min(s.init_len, start)
         if w <= 0 or start - w <= init:
             return [(0, start)]
         return [(0, init), (start - w, start)] if init else [(start - w, start)]
@@ -150,11 +150,12 @@ class AttentionRouter:
         g = Hq // Hkv
         out = torch.empty(L, Hq, d)  # token-major: the caller's [1, L, Hq * d] is a free view
         seg = max(1024, PAST_SEGMENT_ELEMS // d)
+        past = self._past(start)
         for h in range(Hkv):
             heads = slice(h * g, (h + 1) * g)
             qh = q[heads].float().reshape(1, 1, g * L, d)  # row j*L + i: head h*g + j, token i
             o = lse = None
-            for a, b in self._past(start):
+            for a, b in past:
                 for t0 in range(a, b, seg):
                     k, v = self.store.token_range(layer, t0, min(b, t0 + seg), slice(h, h + 1))
                     op, lp = _FLASH_CPU(qh, k[None], v[None], 0.0, False, scale=scale)[:2]

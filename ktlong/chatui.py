@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ktlong.errors import KtlongError
+from ktlong.memory import size
 
 AGAIN_S = 2.0  # a second Ctrl-C within this many seconds leaves
 STOPS = {"max_new_tokens": "hit max_new_tokens",
@@ -41,15 +42,6 @@ _CONTROLS = {c: "\ufffd" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c 
 
 def printable(text: str) -> str:
     return text.translate(_CONTROLS)
-
-
-def size(n: float) -> str:
-    """Bytes in decimal units: 1536 -> '1.5 KB'."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    return ""
 
 
 class _TokRate(ProgressColumn):

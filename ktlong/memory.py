@@ -200,6 +200,15 @@ def report(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None) -> dic
     }
 
 
+def size(n: float) -> str:
+    """Bytes in decimal units: 1536 -> '1.5 KB'."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return ""
+
+
 def gb(n: int | float) -> str:
     """Decimal gigabytes, 3 significant digits: 17179869184 -> '17.2 GB'."""
     return f"{n / 1e9:.3g} GB"

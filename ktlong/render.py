@@ -105,12 +105,9 @@ def cache_entries(rows: list[dict[str, Any]], removed: list[str]) -> None:
     def when(t: float | None) -> str:
         return time.strftime("%m-%d %H:%M", time.localtime(t)) if t else "?"
 
-    def size(n: int) -> str:
-        return f"{n / 1e6:.3g} MB" if n < 1e9 else memory.gb(n)
-
     for r in rows:
         model = str(r["model"]).rstrip("/").rsplit("/", 1)[-1]
         table.add_row(r["key"][:8], r["kind"] + ("" if r["ok"] else " (damaged)"),
                       escape(model), f"{r['tokens'] or 0:,}", str(r["kv_type"]),
-                      size(r["bytes"]), when(r["last_used"]))
+                      memory.size(r["bytes"]), when(r["last_used"]))
     out.print(table)

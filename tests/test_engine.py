@@ -120,6 +120,8 @@ def test_prefill_never_builds_a_full_context_attention_matrix():
 def test_fused_and_tiled_prefill_attention_agree():
     """The CPU fused-kernel path (per KV head, segments + LSE merges) equals the portable tiled
     path, and hands transformers a token-major output (its reshape for o_proj copies nothing)."""
+    from types import SimpleNamespace
+
     import ktlong.attention as att
     from ktlong.kvstore import KVStore, StoreShape
 
@@ -128,7 +130,8 @@ def test_fused_and_tiled_prefill_attention_agree():
     g = torch.Generator().manual_seed(0)
     store.write(0, torch.randn(Hkv, past, d, generator=g), torch.randn(Hkv, past, d, generator=g))
     store.write(0, torch.randn(Hkv, chunk, d, generator=g), torch.randn(Hkv, chunk, d, generator=g))
-    router = att.AttentionRouter(store, None, torch.device("cpu"))
+    exact = SimpleNamespace(s=SimpleNamespace(prefill_window=0, init_len=0))  # a policy
+    router = att.AttentionRouter(store, exact, torch.device("cpu"))
     q = torch.randn(Hq, chunk, d, generator=g)
     old = att.PAST_SEGMENT_ELEMS
     att.PAST_SEGMENT_ELEMS = 1024 * d  # three past segments per head

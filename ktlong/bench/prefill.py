@@ -2,7 +2,8 @@
 
 Each measurement runs in a fresh subprocess so its peak RSS is its own; runtimes are interleaved
 per context length. The model is a small random Llama built locally (no downloads). ktlong runs
-once per `--chunk-sizes` entry, so chunk sizes compare side by side (speed and peak RSS).
+once per `--chunk-sizes` entry, so chunk sizes compare side by side (speed and peak RSS). Both
+prefill exactly (`prefill_window` 0): the same attention, so the times compare like with like.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int) -> dict[
         st = dataclasses.replace(
             Settings(),
             attention="DENSE",
+            prefill_window=0,
             kv_type="BF16",
             chunk_size=chunk,
             max_seq_len=n + 16,
