@@ -74,6 +74,7 @@ try:
         q8_encode,
         score_blocks,
         score_blocks_ref,
+        select_blocks,
         topk_blocks,
         topk_blocks_ref,
     )
@@ -98,5 +99,5 @@ __all__ = [
     "auto_threads", "cache_dir", "cache_is_cold", "compute_anchors", "compute_anchors_ref",
     "configure_threads", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "merge_partials",
     "merge_partials_ref", "q8_encode", "query_votes", "query_votes_ref", "score_blocks",
-    "score_blocks_ref", "source_hash", "topk_blocks", "topk_blocks_ref",
+    "score_blocks_ref", "select_blocks", "source_hash", "topk_blocks", "topk_blocks_ref",
 ]

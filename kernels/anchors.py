@@ -253,6 +253,10 @@ def anchors_to_f64(anchors: np.ndarray) -> np.ndarray:
 
 
 PF = 32  # blocks ahead whose anchors are prefetched while scoring
+# Fewer anchor bytes than this are scored on one thread. Ad hoc, after a cache flush, 2 threads:
+# 64K and 128K contexts' selections took 0.35 and 0.46 ms serially against 0.52 and 0.53 ms in
+# parallel; at 1M, 1.96 against 1.31 ms.
+SERIAL_BYTES = 2 << 20
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, inline="always")
@@ -337,7 +341,18 @@ def _score_prep(q, hkv, na, quest, perm, n):
     return qs, np.empty((hkv, n), F32)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
+@njit(nogil=True, cache=True)
+def _score_part(qs, anchors, fmt, candidates, i0, i1, j, per_head):
+    """Scores of candidates[i0:i1] for KV head j (see _score_range), anchors as raw bytes."""
+    if fmt == FMT_Q8:
+        _score_range(qs, anchors.view(np.int8), True, candidates, i0, i1, j, per_head)
+    elif fmt == FMT_BF16:
+        _score_range(qs, anchors.view(np.uint16), False, candidates, i0, i1, j, per_head)
+    else:
+        _score_range(qs, anchors.view(F32), False, candidates, i0, i1, j, per_head)
+
+
+@njit(parallel=True, nogil=True, cache=True)
 def _score(q, anchors, fmt, candidates, quest, n_parts, perm):
     # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, row] in format fmt; candidates [n] -> [Hkv, n]
     n, hkv = candidates.shape[0], anchors.shape[0]
@@ -345,14 +360,27 @@ def _score(q, anchors, fmt, candidates, quest, n_parts, perm):
     per = max(1, n_parts // hkv)  # parts per head: each head's anchors stay one long stream
     for part in prange(hkv * per):
         j, c = part // per, part % per
-        i0, i1 = c * n // per, (c + 1) * n // per
-        if fmt == FMT_Q8:
-            _score_range(qs, anchors.view(np.int8), True, candidates, i0, i1, j, per_head)
-        elif fmt == FMT_BF16:
-            _score_range(qs, anchors.view(np.uint16), False, candidates, i0, i1, j, per_head)
-        else:
-            _score_range(qs, anchors.view(F32), False, candidates, i0, i1, j, per_head)
+        _score_part(qs, anchors, fmt, candidates, c * n // per, (c + 1) * n // per, j, per_head)
     return per_head
+
+
+@njit(nogil=True, cache=True)
+def _score_serial(q, anchors, fmt, candidates, quest, perm):
+    """`_score` on the calling thread: for few anchors, waking a thread costs more than it
+    saves (tens of microseconds a parallel region on a VM)."""
+    n, hkv = candidates.shape[0], anchors.shape[0]
+    qs, per_head = _score_prep(q, hkv, anchors.shape[2], quest, perm, n)
+    for j in range(hkv):
+        _score_part(qs, anchors, fmt, candidates, 0, n, j, per_head)
+    return per_head
+
+
+@njit(nogil=True, cache=True)
+def _scores(q, anchors, fmt, candidates, quest, n_parts, perm):
+    """Per-head scores [Hkv, n]: in parallel, or serially when n_parts is 1."""
+    if n_parts == 1:
+        return _score_serial(q, anchors, fmt, candidates, quest, perm)
+    return _score(q, anchors, fmt, candidates, quest, n_parts, perm)
 
 
 _FORMATS = {np.dtype(np.float32): FMT_F32, np.dtype(np.uint16): FMT_BF16,
@@ -377,6 +405,28 @@ def anchor_bytes(anchors: np.ndarray, write: bool = False) -> tuple[np.ndarray, 
     return (anchors.view(np.uint8) if write else readonly_bytes(anchors)), fmt
 
 
+def _candidate_ids(candidates, anchors, quest) -> np.ndarray:
+    candidates = readonly(candidates, np.int32)
+    if candidates.size and (candidates.min() < 0 or candidates.max() >= anchors.shape[1]):
+        raise ValueError("candidate block id out of range")
+    if quest and anchors.shape[2] != 2:
+        raise ValueError("QUEST scores need anchors [..., 2, d] (min, max)")
+    return candidates
+
+
+def _n_parts(candidates: np.ndarray, anchors: np.ndarray) -> int:
+    """Parts the scoring is split into; 1 (scored serially) below SERIAL_BYTES of anchors."""
+    if candidates.size * anchors[:, 0].nbytes < SERIAL_BYTES:
+        return 1
+    return max(1, min(4 * use_threads(), candidates.size))
+
+
+def _perm(anchors: np.ndarray, fmt: int) -> np.ndarray:
+    """The packed channel order the scoring kernel reads anchors of this format in."""
+    d = anchors.shape[3] - (Q8_EXTRA if fmt == FMT_Q8 else 0)
+    return channel_perm(d, 1 if fmt == FMT_BF16 else 0)
+
+
 def score_blocks(q, anchors, candidates, quest, shared):
     """Scores of candidate blocks for query q [Hq, d]: [1 (shared) or Hkv, n_cand] f32.
 
@@ -386,15 +436,9 @@ def score_blocks(q, anchors, candidates, quest, shared):
     any anchor format.
     """
     raw, fmt = anchor_bytes(anchors)
-    candidates = readonly(candidates, np.int32)
-    if candidates.size and (candidates.min() < 0 or candidates.max() >= anchors.shape[1]):
-        raise ValueError("candidate block id out of range")
-    if quest and anchors.shape[2] != 2:
-        raise ValueError("QUEST scores need anchors [..., 2, d] (min, max)")
-    n_parts = max(1, min(4 * use_threads(), candidates.size))
-    d = anchors.shape[3] - (Q8_EXTRA if fmt == FMT_Q8 else 0)
-    per_head = _score(readonly(q, F32), raw, fmt, candidates, bool(quest), n_parts,
-                      channel_perm(d, 1 if fmt == FMT_BF16 else 0))
+    candidates = _candidate_ids(candidates, anchors, quest)
+    per_head = _scores(readonly(q, F32), raw, fmt, candidates, bool(quest),
+                       _n_parts(candidates, anchors), _perm(anchors, fmt))
     return per_head.sum(0, keepdims=True) if shared else per_head  # [S, n]
 
 
@@ -412,26 +456,88 @@ def score_blocks_ref(q, anchors, candidates, quest, shared):
     return per_group.sum(0, keepdims=True) if shared else per_group
 
 
+@njit(nogil=True, cache=True)
+def _topk_rows(scores, candidates, k):
+    """[S, k] int32: per row of scores [S, n], the candidates with the k highest scores (ties: the
+    earlier candidate), ascending; 0 < k < n. A heap of the best k so far whose root is the worst
+    of them (lowest score; of equal scores, the later candidate): O(n log k), and most candidates
+    cost one comparison with the root."""
+    n = scores.shape[1]
+    out = np.empty((scores.shape[0], k), np.int32)
+    hs = np.empty(k, F32)  # heap scores [k]
+    hi = np.empty(k, np.int64)  # heap positions in candidates [k]
+    for r in range(scores.shape[0]):
+        for i in range(k):  # sift up each of the first k
+            x, c = scores[r, i], i
+            while c > 0:
+                p = (c - 1) >> 1
+                if hs[p] < x or (hs[p] == x and hi[p] > i):  # the parent ranks below: stop
+                    break
+                hs[c], hi[c] = hs[p], hi[p]
+                c = p
+            hs[c], hi[c] = x, i
+        for i in range(k, n):
+            x = scores[r, i]
+            if x <= hs[0]:  # a tie goes to the earlier candidate, already held
+                continue
+            c = 0
+            while True:  # sift the root's replacement down; x ranks below equal scores held
+                a = 2 * c + 1
+                if a >= k:
+                    break
+                if a + 1 < k and (hs[a + 1] < hs[a] or (hs[a + 1] == hs[a] and hi[a + 1] > hi[a])):
+                    a += 1
+                if not hs[a] < x:
+                    break
+                hs[c], hi[c] = hs[a], hi[a]
+                c = a
+            hs[c], hi[c] = x, i
+        for i in range(k):
+            out[r, i] = candidates[hi[i]]
+        out[r].sort()
+    return out
+
+
 def topk_blocks(scores, candidates, k):
     """The k best candidates per row of scores [S, n]: [S, min(k, n)] int32, ascending ids.
 
-    Ties at the k-th score go to the earlier candidate. NumPy's O(n) partition per row: a Numba
-    version is no faster and costs seconds of compile.
+    Ties at the k-th score go to the earlier candidate.
     """
-    scores = np.asarray(scores, dtype=np.float32)
-    candidates = np.asarray(candidates, dtype=np.int32)
-    n = candidates.shape[0]
-    k = min(k, n)
-    out = np.empty((scores.shape[0], k), np.int32)
-    if k == n or k == 0:
-        out[:] = np.sort(candidates)[:k]
-        return out
-    for r, row in enumerate(scores):
-        thr = np.partition(row, n - k)[n - k]  # k-th largest
-        above = np.flatnonzero(row > thr)
-        ties = np.flatnonzero(row == thr)[:k - above.size]
-        out[r] = np.sort(candidates[np.concatenate([above, ties])])
-    return out
+    scores = np.ascontiguousarray(scores, dtype=np.float32)
+    candidates = np.ascontiguousarray(candidates, dtype=np.int32)
+    if scores.ndim != 2 or scores.shape[1] != candidates.shape[0]:
+        raise ValueError(f"scores must be [S, {candidates.shape[0]}], got {scores.shape}")
+    k = min(k, candidates.shape[0])
+    if k == candidates.shape[0] or k == 0:
+        return np.broadcast_to(np.sort(candidates)[:k], (scores.shape[0], k)).copy()
+    return _topk_rows(scores, candidates, k)
+
+
+@njit(nogil=True, cache=True)
+def _select(q, anchors, fmt, candidates, quest, n_parts, perm, k, shared):
+    """Top-k candidates [S, k] by score: one call (scores, their sum over heads, top-k)."""
+    per_head = _scores(q, anchors, fmt, candidates, quest, n_parts, perm)  # [Hkv, n]
+    if not shared:
+        return _topk_rows(per_head, candidates, k)
+    total = np.zeros((1, per_head.shape[1]), F32)
+    for j in range(per_head.shape[0]):
+        for i in range(per_head.shape[1]):
+            total[0, i] += per_head[j, i]
+    return _topk_rows(total, candidates, k)
+
+
+def select_blocks(q, anchors, candidates, k, quest, shared):
+    """`topk_blocks(score_blocks(q, anchors, candidates, quest, shared), candidates, k)` in one
+    kernel call: the selection a decode step makes, with no NumPy calls between its parts
+    (after a cache flush, each costs tens of microseconds)."""
+    raw, fmt = anchor_bytes(anchors)
+    candidates = _candidate_ids(candidates, anchors, quest)
+    k = min(k, candidates.size)
+    if k == candidates.size or k == 0:
+        rows = 1 if shared else anchors.shape[0]
+        return np.broadcast_to(np.sort(candidates)[:k], (rows, k)).copy()
+    return _select(readonly(q, F32), raw, fmt, candidates, bool(quest),
+                   _n_parts(candidates, anchors), _perm(anchors, fmt), k, bool(shared))
 
 
 def topk_blocks_ref(scores, candidates, k):

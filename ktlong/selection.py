@@ -104,10 +104,9 @@ class SelectionPolicy:
         if k >= cand.size:
             return np.broadcast_to(cand, (S, cand.size)).copy()
         self._ensure_anchors(layer, local0)
-        scores = kernels.score_blocks(
-            q, self.store.anchors[layer], cand, self.s.anchor_type == "QUEST", self.shared
+        return kernels.select_blocks(
+            q, self.store.anchors[layer], cand, k, self.s.anchor_type == "QUEST", self.shared
         )
-        return kernels.topk_blocks(scores, cand, k)
 
     # --- anchors -----------------------------------------------------------------------------
     def _ensure_anchors(self, layer: int, upto: int) -> None:

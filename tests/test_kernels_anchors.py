@@ -8,6 +8,7 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
+from ktlong.kernels import anchors as anchors_mod
 
 from ktlong import kernels as K
 
@@ -91,9 +92,13 @@ def test_scores_match_reference(quest, shared, g, fmt, d):
 @pytest.mark.parametrize("n_cand", [1, 2, 3, 4, 5, 7, 45, 299])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("q8", [False, True])
-def test_scores_any_candidate_count(n_cand, threads, q8):
+@pytest.mark.parametrize("serial", [True, False])
+def test_scores_any_candidate_count(n_cand, threads, q8, serial, monkeypatch):
     """Blocks are scored four at a time: counts (and per-thread parts) that are not a multiple
-    of 4 score their last 1-3 blocks alone; parts longer than the prefetch distance prefetch."""
+    of 4 score their last 1-3 blocks alone; parts longer than the prefetch distance prefetch.
+    Both paths: serial (few anchors, as here) and parallel (forced)."""
+    if not serial:
+        monkeypatch.setattr(anchors_mod, "SERIAL_BYTES", 0)
     rng = np.random.default_rng(n_cand)
     f = rng.standard_normal((2, 300, 1, 128)).astype(np.float32)
     anchors = K.q8_encode(f) if q8 else K.f32_to_kv(f, 1)
@@ -147,6 +152,56 @@ def test_topk_matches_reference(k):
     assert got.dtype == np.int32 and got.shape == (4, min(k, 20))
     np.testing.assert_array_equal(got, K.topk_blocks_ref(scores, cand, k))
     assert np.all(np.diff(got, axis=1) > 0)
+
+
+@pytest.mark.parametrize("order", ["random", "ascending", "descending", "ties"])
+@pytest.mark.parametrize("k", [1, 2, 96, 499])
+def test_topk_heap_any_score_order(order, k):
+    """The heap keeps the best k through any order of scores: ascending (every candidate
+    replaces the root), descending (none does) and long runs of equal scores; candidates need
+    not be sorted."""
+    rng = np.random.default_rng(k)
+    n = 500
+    scores = {"random": rng.standard_normal((2, n)),
+              "ascending": np.tile(np.arange(n, dtype=np.float64), (2, 1)),
+              "descending": np.tile(np.arange(n, 0, -1, dtype=np.float64), (2, 1)),
+              "ties": rng.integers(0, 3, (2, n))}[order].astype(np.float32)
+    cand = rng.permutation(10 * n)[:n].astype(np.int32)
+    got = K.topk_blocks(scores, cand, k)
+    np.testing.assert_array_equal(got, K.topk_blocks_ref(scores, cand, k))
+
+
+@pytest.mark.parametrize("quest", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("k", [0, 1, 7, 60, 61, 100])
+@pytest.mark.parametrize("serial", [True, False])
+def test_select_is_topk_of_scores(quest, shared, k, serial, monkeypatch):
+    """select_blocks (scores, head sum and top-k in one call) picks what top-k of the
+    reference scores picks; k >= the candidate count returns every candidate."""
+    if not serial:
+        monkeypatch.setattr(anchors_mod, "SERIAL_BYTES", 0)
+    rng = np.random.default_rng(k + 200 * quest + 400 * shared)
+    hkv, nb, d = 4, 80, 64
+    f = rng.standard_normal((hkv, nb, 2 if quest else 1, d)).astype(np.float32)
+    if quest:
+        f.sort(axis=2)
+    anchors = K.q8_encode(f, quest)
+    q = rng.standard_normal((hkv * 4, d)).astype(np.float32)
+    cand = np.sort(rng.choice(np.arange(1, nb), 61, replace=False)).astype(np.int32)
+    got = K.select_blocks(q, anchors, cand, k, quest, shared)
+    assert got.dtype == np.int32 and got.shape == (1 if shared else hkv, min(k, 61))
+    ref_scores = K.score_blocks_ref(q, anchors, cand, quest, shared)
+    want = K.topk_blocks_ref(ref_scores, cand, k)
+    if 0 < k < 61:  # float32 sums may swap two near-equal scores at the k-th place
+        kth = np.sort(ref_scores, axis=1)[:, -k][:, None]
+        close = np.abs(ref_scores - kth) < 1e-4 * np.abs(ref_scores).max()
+        for r in range(got.shape[0]):
+            diff = set(got[r]) ^ set(want[r])
+            assert diff <= set(cand[close[r]]), (r, diff)
+    else:
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="out of range"):
+        K.select_blocks(q, anchors, np.array([nb], np.int32), 1, quest, shared)
 
 
 def test_cache_key_follows_every_kernel_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -104,7 +104,7 @@ def _select(kernels, q, anchors, n: int) -> np.ndarray:
         return np.arange(nb, dtype=np.int32)[None]
     cand = np.arange(init_end, local0, dtype=np.int32)
     quest = anchors.shape[2] == 2
-    top = kernels.topk_blocks(kernels.score_blocks(q, anchors, cand, quest, True), cand, SELECT)
+    top = kernels.select_blocks(q, anchors, cand, SELECT, quest, True)
     return np.concatenate([np.arange(init_end, dtype=np.int32), top[0],
                            np.arange(local0, nb, dtype=np.int32)])[None]
 
