@@ -509,8 +509,13 @@ def topk_blocks(scores, candidates, k):
         raise ValueError(f"scores must be [S, {candidates.shape[0]}], got {scores.shape}")
     k = min(k, candidates.shape[0])
     if k == candidates.shape[0] or k == 0:
-        return np.broadcast_to(np.sort(candidates)[:k], (scores.shape[0], k)).copy()
+        return _all_or_none(candidates, scores.shape[0], k)
     return _topk_rows(scores, candidates, k)
+
+
+def _all_or_none(candidates: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """The answer when k is 0 or every candidate: [rows, k] int32, ascending."""
+    return np.broadcast_to(np.sort(candidates)[:k], (rows, k)).copy()
 
 
 @njit(nogil=True, cache=True)
@@ -534,8 +539,7 @@ def select_blocks(q, anchors, candidates, k, quest, shared):
     candidates = _candidate_ids(candidates, anchors, quest)
     k = min(k, candidates.size)
     if k == candidates.size or k == 0:
-        rows = 1 if shared else anchors.shape[0]
-        return np.broadcast_to(np.sort(candidates)[:k], (rows, k)).copy()
+        return _all_or_none(candidates, 1 if shared else anchors.shape[0], k)
     return _select(readonly(q, F32), raw, fmt, candidates, bool(quest),
                    _n_parts(candidates, anchors), _perm(anchors, fmt), k, bool(shared))
 
