@@ -201,6 +201,7 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
     """float64 NumPy reference of `compute_anchors` (writes into `anchors`, any format)."""
     hkv, _, bs, d = k_tail.shape
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
+    fmt = anchor_format(anchors)
     for b in range(first, last):
         kb = k[:, b]  # [Hkv, bs, d]
         if anchor_type == "QUEST":
@@ -215,7 +216,6 @@ def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, ancho
             sc = token_scores[:, b * bs:(b + 1) * bs]
             order = np.stack([np.lexsort((np.arange(bs), -sc[j]))[:anchor_num] for j in range(hkv)])
             res = np.take_along_axis(kb, order[:, :, None], axis=1)
-        fmt = anchor_format(anchors)
         if fmt == FMT_Q8:
             anchors[:, b] = q8_encode(res.astype(F32), quest=anchor_type == "QUEST")
         else:

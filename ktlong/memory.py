@@ -202,11 +202,11 @@ def report(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None) -> dic
 
 def size(n: float) -> str:
     """Bytes in decimal units: 1536 -> '1.5 KB'."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1000
-    return ""
+    return f"{n:.3g} GB"
 
 
 def gb(n: int | float) -> str:
