@@ -27,7 +27,9 @@ def kv_bytes(name: str, a: np.ndarray, kv_kind: int) -> np.ndarray:
                          f"{size}-byte elements for kv_kind {kv_kind}, got {a.dtype} {a.shape}")
     if kv_kind == 1 and a.shape[3] % 2:
         raise ValueError("BF16 KV needs an even head_dim")
-    return readonly_bytes(a)
+    v = a.view(np.uint8, np.ndarray)  # C-contiguous (checked): one NumPy call, no copy
+    v.flags.writeable = False
+    return v
 
 
 def readonly_bytes(a: np.ndarray) -> np.ndarray:
@@ -39,7 +41,13 @@ def readonly(a: np.ndarray, dtype=None) -> np.ndarray:
     """A read-only C-contiguous view (a copy only to fix dtype or layout). Memory-mapped cache
     entries are read-only and Numba compiles a separate kernel for them, so every input a kernel
     only reads is passed read-only: one compiled signature for RAM and mmap alike."""
-    v = np.ascontiguousarray(a, dtype=dtype).view()
+    if (type(a) is np.ndarray and a.ndim and (dtype is None or a.dtype == dtype)
+            and a.flags.c_contiguous):  # the common case, in as few NumPy calls as can be
+        if not a.flags.writeable:
+            return a
+        v = a.view()
+    else:
+        v = np.ascontiguousarray(a, dtype=dtype).view()
     v.flags.writeable = False
     return v
 

@@ -42,14 +42,12 @@ CH = 128  # rows per chunk (a multiple of 4): the next chunk is prefetched durin
 PAGE = 4096  # bytes: the next chunk's rows are touched one per page
 
 
-@njit(cache=True)
-def _prefetch_rows(pf, t, npf, row_bytes):
-    """Prefetch rows t..t+3 (those below npf) at addresses pf[]; the rows past the chunk's
-    last tile are taken with its last tile."""
-    hi = npf if t + 8 > CH else min(t + 4, npf)
-    for i in range(t, hi):
-        for off in range(0, row_bytes, 64):
-            prefetch(pf[i] + off)
+@njit(inline="always", cache=True)
+def _prefetch_lines(pf, r0, r1, lo, hi):
+    """Prefetch lines lo..hi-1 (64 bytes each) of the rows r0..r1-1 at addresses pf[]."""
+    for i in range(r0, r1):
+        for line in range(lo, hi):
+            prefetch(pf[i] + line * 64)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -57,17 +55,27 @@ def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
     """s[r, i] = qp[r] . K row i for rows i < nt (row i at address ra[i], d channels, tag's dtype).
 
     qp [R, P] packed queries (R % 4 == 0); s [R, CH]; columns nt..ceil4(nt) repeat the last row.
-    Rows pf[:npf] (the next chunk) are prefetched a tile at a time, spread over the compute.
+    Rows pf[:npf] (the next chunk) are prefetched a tile at a time, a few lines per channel
+    group, so the prefetches interleave evenly with the loads and FMAs. (A read loop of the same
+    shape streams DRAM at 82-86% of the bulk rate so and at 66% with a tile's prefetches issued
+    at once; in this kernel, 0.90-1.01x the time, within the noise; docs/benchmarks.md.)
     """
     ng = qp.shape[1] // (2 * W)
+    nl = -(-d * tag.itemsize // 64)  # cache lines per row
+    lpg = nl // ng  # lines prefetched with each channel group
     for t in range(0, nt, 4):
-        _prefetch_rows(pf, t, npf, d * tag.itemsize)
+        if t + 8 > CH:  # the chunk's last tile also takes the rows past it
+            _prefetch_lines(pf, t + 4, npf, 0, nl)
+        p1 = min(t + 4, npf)  # this tile's rows of the next chunk: t..p1-1
+        _prefetch_lines(pf, t, p1, lpg * ng, nl)  # lines the channel groups leave over
         last = nt - 1
         k0, k1, k2, k3 = ra[t], ra[min(t + 1, last)], ra[min(t + 2, last)], ra[min(t + 3, last)]
         for h in range(0, qp.shape[0], 4):
             a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero()
             a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = vzero()
+            p1h = p1 if h == 0 else t  # once per tile, not per group of 4 heads
             for gi in range(ng):
+                _prefetch_lines(pf, t, p1h, gi * lpg, gi * lpg + lpg)
                 c = gi * 2 * W
                 e0, o0 = vload2(tag, k0, d, gi)
                 e1, o1 = vload2(tag, k1, d, gi)
@@ -107,8 +115,13 @@ def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
     Rows pf[:npf] are prefetched as in qk_tiles.
     """
     ng = acc.shape[1] // (2 * W)
+    nl = -(-d * tag.itemsize // 64)
+    lpg = nl // ng
     for t in range(0, nt, 4):
-        _prefetch_rows(pf, t, npf, d * tag.itemsize)
+        if t + 8 > CH:
+            _prefetch_lines(pf, t + 4, npf, 0, nl)
+        p1 = min(t + 4, npf)
+        _prefetch_lines(pf, t, p1, lpg * ng, nl)
         last = nt - 1
         v0, v1, v2, v3 = rv[t], rv[min(t + 1, last)], rv[min(t + 2, last)], rv[min(t + 3, last)]
         for h in range(0, acc.shape[0], 4):
@@ -116,7 +129,9 @@ def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
             p10, p11, p12, p13 = vsplat4(s, h + 1, t)
             p20, p21, p22, p23 = vsplat4(s, h + 2, t)
             p30, p31, p32, p33 = vsplat4(s, h + 3, t)
+            p1h = p1 if h == 0 else t  # once per tile, not per group of 4 heads
             for gi in range(ng):
+                _prefetch_lines(pf, t, p1h, gi * lpg, gi * lpg + lpg)
                 c = gi * 2 * W
                 e0, o0 = vload2(tag, v0, d, gi)
                 e1, o1 = vload2(tag, v1, d, gi)
@@ -195,10 +210,15 @@ def _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t, ra, r
 
 
 @njit(nogil=True, cache=True)
-def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc, m, den):
+def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc_out, m_out,
+          den_out):
     """Attend packed queries qp [R, P] of KV head j over blocks `ids`, chunk by chunk; the rows
     of the next chunk are touched (a load per page) and prefetched while the current one is
-    computed."""
+    computed. The softmax state is the item's own until the end: the items' slots of the
+    shared arrays share cache lines, which two threads writing every chunk would pass back and
+    forth between their cores."""
+    acc, m, den = softmax_state(1, qp.shape[0], qp.shape[1])  # [1, R, P], [1, R], [1, R]
+    acc, m, den = acc[0], m[0], den[0]
     ra = np.empty((2, CH), np.intp)  # K row addresses, two chunks
     rv = np.empty((2, CH), np.intp)  # V row addresses
     s = np.empty((qp.shape[0], CH), F32)  # [R, CH]
@@ -216,12 +236,17 @@ def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc, m,
         _chunk(qp, k_tail, ra[cur], rv[cur], nt, k_tail.shape[3], s, acc, m, den, ra[1 - cur],
                rv[1 - cur], nxt)
         nt, cur = nxt, 1 - cur
+    acc_out[:, :] = acc
+    m_out[:] = m
+    den_out[:] = den
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_tokens, n_split, scale,
-            perm):
+def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_blocks, n_tokens, n_split,
+            scale, perm):
     # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, d*size]; blocks [S, n] int32; perm [P] (packing)
+    if not in_range(blocks, n_blocks):  # here, not in NumPy: ~40 us less after a cache flush
+        raise ValueError("block id out of range")
     hkv = k_tail.shape[0]
     qp = pack_rows(q, hkv, perm, scale)  # [Hkv, R, P]
     r, p = qp.shape[1], qp.shape[2]
@@ -243,6 +268,16 @@ def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_tokens, 
             _item(qp[j], k_base.view(F32), v_base.view(F32), k_tail.view(F32),
                   v_tail.view(F32), *args)
     return _merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
+
+
+@njit(nogil=True, cache=True)
+def in_range(ids, n):
+    """Whether every entry of the 2-D id array lies in 0..n-1."""
+    for r in range(ids.shape[0]):
+        for i in range(ids.shape[1]):
+            if ids[r, i] < 0 or ids[r, i] >= n:
+                return False
+    return True
 
 
 @njit(nogil=True, cache=True)
@@ -322,11 +357,9 @@ def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, 
     if blocks.ndim != 2 or blocks.shape[0] not in (1, hkv):
         raise ValueError(f"blocks must be [1 or {hkv}, n], got {blocks.shape}")
     n_blocks = min(nb_base + k_tail.shape[1], -(-n_tokens // bs))
-    if blocks.size and (blocks.min() < 0 or blocks.max() >= n_blocks):
-        raise ValueError(f"block id out of range 0..{n_blocks - 1}")
     n_split = max(1, min(-(-4 * use_threads() // hkv), blocks.shape[1]))  # >= 4 items a thread
-    return _attend(readonly(q, F32), *kv, kv_kind, nb_base, blocks, n_tokens,
-                   n_split, F32(scale * LOG2E), channel_perm(d, kv_kind))
+    return _attend(readonly(q, F32), *kv, kv_kind, nb_base, blocks, n_blocks, n_tokens, n_split,
+                   F32(scale * LOG2E), channel_perm(d, kv_kind))
 
 
 def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):

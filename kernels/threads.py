@@ -10,11 +10,13 @@ element by element under that schedule.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numba
 
 _threads = 0  # 0 = all cores
+_applied = threading.local()  # .n: the count this thread last gave Numba through use_threads
 
 
 def configure_threads(n: int) -> int:
@@ -88,10 +90,11 @@ def auto_threads() -> int:
 
 
 def use_threads() -> int:
-    """Apply the configured thread count to the calling thread; returns it."""
+    """Apply the configured thread count to the calling thread; returns it. Numba is asked only
+    when the count changed: its two getters cost ~30 us a decode step after a cache flush."""
     n = _threads or numba.config.NUMBA_NUM_THREADS
-    if numba.get_num_threads() != n:
+    if getattr(_applied, "n", 0) != n:
         numba.set_num_threads(n)
-    if numba.get_parallel_chunksize() != 1:
         numba.set_parallel_chunksize(1)
+        _applied.n = n
     return n

@@ -1,0 +1,377 @@
+"""Exact decode attention of one query token over selected KV blocks, with log-sum-exp partials.
+
+Work is split over (KV head x part of the block list); parts merge by log-sum-exp. Each item walks
+its blocks in chunks of CH rows: scores for 4 query heads x 4 rows per register tile (each K/V row
+is read once from memory for the whole GQA group), an online softmax per chunk, then p @ V in the
+same tiles. Scores are in log2 units (q is pre-scaled by scale * log2(e)) for the exp2 polynomial.
+Queries and outputs use the packed channel order of `packed_channels` (see _vec.py).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import njit, prange
+
+from ._simd import F32, FASTMATH, LN2, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64, readonly
+from ._vec import (
+    W,
+    packed_channels,
+    prefetch,
+    row_addr,
+    touch,
+    vadd,
+    vexp2_neg,
+    vfma,
+    vhmax,
+    vhsum,
+    vload,
+    vload2,
+    vmax,
+    vmul,
+    vsplat,
+    vsplat4,
+    vstore,
+    vsub,
+    vsum4,
+    vzero,
+)
+from .threads import use_threads
+
+CH = 128  # rows per chunk (a multiple of 4): the next chunk is prefetched during this one
+PAGE = 4096  # bytes: the next chunk's rows are touched one per page
+
+
+@njit(cache=True)
+def _prefetch_rows(pf, t, npf, row_bytes):
+    """Prefetch rows t..t+3 (those below npf) at addresses pf[]; the rows past the chunk's
+    last tile are taken with its last tile."""
+    hi = npf if t + 8 > CH else min(t + 4, npf)
+    for i in range(t, hi):
+        for off in range(0, row_bytes, 64):
+            prefetch(pf[i] + off)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
+    """s[r, i] = qp[r] . K row i for rows i < nt (row i at address ra[i], d channels, tag's dtype).
+
+    qp [R, P] packed queries (R % 4 == 0); s [R, CH]; columns nt..ceil4(nt) repeat the last row.
+    Rows pf[:npf] (the next chunk) are prefetched a tile at a time, spread over the compute.
+    """
+    ng = qp.shape[1] // (2 * W)
+    for t in range(0, nt, 4):
+        _prefetch_rows(pf, t, npf, d * tag.itemsize)
+        last = nt - 1
+        k0, k1, k2, k3 = ra[t], ra[min(t + 1, last)], ra[min(t + 2, last)], ra[min(t + 3, last)]
+        for h in range(0, qp.shape[0], 4):
+            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero()
+            a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = vzero()
+            for gi in range(ng):
+                c = gi * 2 * W
+                e0, o0 = vload2(tag, k0, d, gi)
+                e1, o1 = vload2(tag, k1, d, gi)
+                e2, o2 = vload2(tag, k2, d, gi)
+                e3, o3 = vload2(tag, k3, d, gi)
+                qe, qo = vload(qp, h, c), vload(qp, h, c + W)
+                a00 = vfma(qe, e0, vfma(qo, o0, a00))
+                a01 = vfma(qe, e1, vfma(qo, o1, a01))
+                a02 = vfma(qe, e2, vfma(qo, o2, a02))
+                a03 = vfma(qe, e3, vfma(qo, o3, a03))
+                qe, qo = vload(qp, h + 1, c), vload(qp, h + 1, c + W)
+                a10 = vfma(qe, e0, vfma(qo, o0, a10))
+                a11 = vfma(qe, e1, vfma(qo, o1, a11))
+                a12 = vfma(qe, e2, vfma(qo, o2, a12))
+                a13 = vfma(qe, e3, vfma(qo, o3, a13))
+                qe, qo = vload(qp, h + 2, c), vload(qp, h + 2, c + W)
+                a20 = vfma(qe, e0, vfma(qo, o0, a20))
+                a21 = vfma(qe, e1, vfma(qo, o1, a21))
+                a22 = vfma(qe, e2, vfma(qo, o2, a22))
+                a23 = vfma(qe, e3, vfma(qo, o3, a23))
+                qe, qo = vload(qp, h + 3, c), vload(qp, h + 3, c + W)
+                a30 = vfma(qe, e0, vfma(qo, o0, a30))
+                a31 = vfma(qe, e1, vfma(qo, o1, a31))
+                a32 = vfma(qe, e2, vfma(qo, o2, a32))
+                a33 = vfma(qe, e3, vfma(qo, o3, a33))
+            vsum4(s, h, t, a00, a01, a02, a03)
+            vsum4(s, h + 1, t, a10, a11, a12, a13)
+            vsum4(s, h + 2, t, a20, a21, a22, a23)
+            vsum4(s, h + 3, t, a30, a31, a32, a33)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
+    """acc[r] += sum_i s[r, i] * V row i over rows i < nt (row i at address rv[i]).
+
+    s [R, CH] probabilities with columns nt..ceil4(nt) zero; acc [R, P] packed (R % 4 == 0).
+    Rows pf[:npf] are prefetched as in qk_tiles.
+    """
+    ng = acc.shape[1] // (2 * W)
+    for t in range(0, nt, 4):
+        _prefetch_rows(pf, t, npf, d * tag.itemsize)
+        last = nt - 1
+        v0, v1, v2, v3 = rv[t], rv[min(t + 1, last)], rv[min(t + 2, last)], rv[min(t + 3, last)]
+        for h in range(0, acc.shape[0], 4):
+            p00, p01, p02, p03 = vsplat4(s, h, t)
+            p10, p11, p12, p13 = vsplat4(s, h + 1, t)
+            p20, p21, p22, p23 = vsplat4(s, h + 2, t)
+            p30, p31, p32, p33 = vsplat4(s, h + 3, t)
+            for gi in range(ng):
+                c = gi * 2 * W
+                e0, o0 = vload2(tag, v0, d, gi)
+                e1, o1 = vload2(tag, v1, d, gi)
+                e2, o2 = vload2(tag, v2, d, gi)
+                e3, o3 = vload2(tag, v3, d, gi)
+                x = vfma(p02, e2, vfma(p03, e3, vload(acc, h, c)))
+                vstore(acc, h, c, vfma(p00, e0, vfma(p01, e1, x)))
+                x = vfma(p02, o2, vfma(p03, o3, vload(acc, h, c + W)))
+                vstore(acc, h, c + W, vfma(p00, o0, vfma(p01, o1, x)))
+                x = vfma(p12, e2, vfma(p13, e3, vload(acc, h + 1, c)))
+                vstore(acc, h + 1, c, vfma(p10, e0, vfma(p11, e1, x)))
+                x = vfma(p12, o2, vfma(p13, o3, vload(acc, h + 1, c + W)))
+                vstore(acc, h + 1, c + W, vfma(p10, o0, vfma(p11, o1, x)))
+                x = vfma(p22, e2, vfma(p23, e3, vload(acc, h + 2, c)))
+                vstore(acc, h + 2, c, vfma(p20, e0, vfma(p21, e1, x)))
+                x = vfma(p22, o2, vfma(p23, o3, vload(acc, h + 2, c + W)))
+                vstore(acc, h + 2, c + W, vfma(p20, o0, vfma(p21, o1, x)))
+                x = vfma(p32, e2, vfma(p33, e3, vload(acc, h + 3, c)))
+                vstore(acc, h + 3, c, vfma(p30, e0, vfma(p31, e1, x)))
+                x = vfma(p32, o2, vfma(p33, o3, vload(acc, h + 3, c + W)))
+                vstore(acc, h + 3, c + W, vfma(p30, o0, vfma(p31, o1, x)))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _chunk(qp, tag, ra, rv, nt, d, s, acc, m, den, ra_next, rv_next, n_next):
+    """Online-softmax update of an item's state acc [R, P], m, den [R] (log2 units) by nt rows;
+    prefetches the next chunk's n_next rows (K during scores, V during p @ V)."""
+    qk_tiles(qp, tag, ra, nt, d, s, ra_next, n_next)
+    for h in range(qp.shape[0]):
+        for t in range(nt, CH):
+            s[h, t] = NEG_INF
+        mv = vload(s, h, 0)
+        for c in range(W, CH, W):
+            mv = vmax(mv, vload(s, h, c))
+        mn = max(m[h], vhmax(mv))
+        alpha = exp2_neg(m[h] - mn)
+        mv = vsplat(mn)
+        tot = vzero()
+        for c in range(0, CH, W):
+            p = vexp2_neg(vsub(vload(s, h, c), mv))
+            vstore(s, h, c, p)
+            tot = vadd(tot, p)
+        den[h] = den[h] * alpha + vhsum(tot)
+        m[h] = mn
+        if alpha != F32(1.0):
+            av = vsplat(alpha)
+            for c in range(0, acc.shape[1], W):
+                vstore(acc, h, c, vmul(vload(acc, h, c), av))
+    _pv_tiles(s, tag, rv, nt, d, acc, rv_next, n_next)
+
+
+@njit(nogil=True, cache=True)
+def _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t, ra, rv):
+    """Addresses of the next (up to CH) K/V rows from token t of block ids[i].
+
+    Returns (rows filled, next i, next t).
+    """
+    bs = k_tail.shape[2]
+    nt = 0
+    while nt < CH and i < ids.shape[0]:
+        b = ids[i]
+        end = min(bs, n_tokens - b * bs)
+        take = min(CH - nt, end - t)
+        for r in range(take):
+            if b < nb_base:
+                ka, va = row_addr(k_base, j, b, t + r), row_addr(v_base, j, b, t + r)
+            else:
+                ka = row_addr(k_tail, j, b - nb_base, t + r)
+                va = row_addr(v_tail, j, b - nb_base, t + r)
+            ra[nt + r], rv[nt + r] = ka, va
+        nt += take
+        t += take
+        if t == end:
+            i, t = i + 1, 0
+    return nt, i, t
+
+
+@njit(nogil=True, cache=True)
+def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc, m, den):
+    """Attend packed queries qp [R, P] of KV head j over blocks `ids`, chunk by chunk; the rows
+    of the next chunk are touched (a load per page) and prefetched while the current one is
+    computed."""
+    ra = np.empty((2, CH), np.intp)  # K row addresses, two chunks
+    rv = np.empty((2, CH), np.intp)  # V row addresses
+    s = np.empty((qp.shape[0], CH), F32)  # [R, CH]
+    step = max(1, PAGE // (k_tail.shape[3] * k_tail.itemsize))  # rows per page
+    nt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, 0, 0, ra[0], rv[0])
+    cur = 0
+    while nt > 0:
+        nxt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t,
+                          ra[1 - cur], rv[1 - cur])
+        # start the next chunk's page walks now, ahead of its prefetches (ad hoc A/Bs: 4-14%
+        # faster over blocks picked from a 1M context; docs/benchmarks.md, session 9)
+        for r in range(0, nxt, step):
+            touch(ra[1 - cur, r])
+            touch(rv[1 - cur, r])
+        _chunk(qp, k_tail, ra[cur], rv[cur], nt, k_tail.shape[3], s, acc, m, den, ra[1 - cur],
+               rv[1 - cur], nxt)
+        nt, cur = nxt, 1 - cur
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_tokens, n_split, scale,
+            perm):
+    # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, d*size]; blocks [S, n] int32; perm [P] (packing)
+    hkv = k_tail.shape[0]
+    qp = pack_rows(q, hkv, perm, scale)  # [Hkv, R, P]
+    r, p = qp.shape[1], qp.shape[2]
+    n = blocks.shape[1]
+    n_items = hkv * n_split
+    acc, mx, den = softmax_state(n_items, r, p)  # [items, R, P], [items, R], [items, R]
+    for item in prange(n_items):
+        j, part = item // n_split, item % n_split
+        row = 0 if blocks.shape[0] == 1 else j
+        ids = blocks[row, part * n // n_split:(part + 1) * n // n_split]
+        args = (nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
+        if kind == 1:  # view the bytes back as the storage dtype
+            _item(qp[j], k_base.view(np.uint16), v_base.view(np.uint16),
+                  k_tail.view(np.uint16), v_tail.view(np.uint16), *args)
+        elif kind == 2:
+            _item(qp[j], k_base.view(np.int16), v_base.view(np.int16), k_tail.view(np.int16),
+                  v_tail.view(np.int16), *args)
+        else:
+            _item(qp[j], k_base.view(F32), v_base.view(F32), k_tail.view(F32),
+                  v_tail.view(F32), *args)
+    return _merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
+
+
+@njit(nogil=True, cache=True)
+def softmax_state(n, r, p):
+    """Empty online-softmax states: acc [n, r, p] = 0, max [n, r] = -inf, denominator [n, r] = 0.
+
+    A serial function: in a parallel one, np.zeros would become a parfor of its own."""
+    return np.zeros((n, r, p), F32), np.full((n, r), NEG_INF), np.zeros((n, r), F32)
+
+
+@njit(nogil=True, cache=True)
+def pack_rows(x, hkv, perm, scale):
+    """x [Hkv*g, d] -> [Hkv, R, P] f32 times scale: each KV head's g rows padded to R = ceil4(g),
+    channels in packed order (perm[p] = channel at packed position p, -1 = zero padding)."""
+    g = x.shape[0] // hkv
+    out = np.zeros((hkv, -(-g // 4) * 4, perm.shape[0]), F32)
+    for h in range(x.shape[0]):
+        for p in range(perm.shape[0]):
+            if perm[p] >= 0:
+                out[h // g, h % g, p] = x[h, perm[p]] * scale
+    return out
+
+
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
+def _merge_items(acc, mx, den, n_split, g, d, perm):
+    """Merge item states acc [Hkv*n_split, R, P], mx/den [Hkv*n_split, R] (log2 units) into
+    out [Hkv*g, d] (channel order) and lse [Hkv*g] (natural log)."""
+    n_items, _, p = acc.shape
+    hkv = n_items // n_split
+    out = np.zeros((hkv * g, perm.shape[0]), F32)  # packed order, unpacked below
+    lse = np.full(hkv * g, NEG_INF)
+    for j in range(hkv):
+        for h in range(g):
+            big = NEG_INF
+            for i in range(j * n_split, (j + 1) * n_split):
+                big = max(big, mx[i, h])
+            if big == NEG_INF:
+                continue
+            tot = F32(0.0)
+            for i in range(j * n_split, (j + 1) * n_split):
+                w = exp2_neg(mx[i, h] - big)
+                tot += w * den[i, h]
+                for c in range(p):
+                    out[j * g + h, c] += w * acc[i, h, c]
+            inv = F32(1.0) / tot
+            for c in range(p):
+                out[j * g + h, c] *= inv
+            lse[j * g + h] = (big + np.log2(tot)) * LN2
+    res = np.empty((hkv * g, d), F32)
+    for h in range(hkv * g):
+        for c in range(p):
+            if perm[c] >= 0:
+                res[h, perm[c]] = out[h, c]
+    return res, lse
+
+
+@lru_cache(maxsize=16)
+def channel_perm(d: int, kv_kind: int) -> np.ndarray:
+    """Packed channel order for head_dim d and a KV dtype (see _vec.packed_channels)."""
+    return packed_channels(d, kv_kind)
+
+
+def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
+    """Exact attention of one query token over the listed blocks.
+
+    q [Hq, d] f32; k/v_base [Hkv, nb_base, bs, d], k/v_tail [Hkv, nb_tail_cap, bs, d] (float32 or
+    uint16 bits per kv_kind 0 FP32, 1 BF16, 2 FP16); blocks int32 [S, n] with S 1 (SHARED) or Hkv,
+    ascending, no repeats. Returns out [Hq, d] f32 and lse [Hq] f32 (natural log of the summed
+    exp(scale * q.k); -inf and out 0 for a head with no tokens).
+    """
+    kv = [kv_bytes(name, a, kv_kind) for name, a in
+          (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail))]
+    hkv, _, bs, d = k_tail.shape
+    if q.ndim != 2 or q.shape[1] != d or q.shape[0] % hkv:
+        raise ValueError(f"q must be [Hq, {d}] with Hq a multiple of {hkv}, got {q.shape}")
+    blocks = readonly(blocks, np.int32)
+    if blocks.ndim != 2 or blocks.shape[0] not in (1, hkv):
+        raise ValueError(f"blocks must be [1 or {hkv}, n], got {blocks.shape}")
+    n_blocks = min(nb_base + k_tail.shape[1], -(-n_tokens // bs))
+    if blocks.size and (blocks.min() < 0 or blocks.max() >= n_blocks):
+        raise ValueError(f"block id out of range 0..{n_blocks - 1}")
+    n_split = max(1, min(-(-4 * use_threads() // hkv), blocks.shape[1]))  # >= 4 items a thread
+    return _attend(readonly(q, F32), *kv, kv_kind, nb_base, blocks, n_tokens,
+                   n_split, F32(scale * LOG2E), channel_perm(d, kv_kind))
+
+
+def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
+    """float64 NumPy reference of `attend_blocks` (returns float64)."""
+    hkv, _, bs, d = k_tail.shape
+    g = q.shape[0] // hkv
+    k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
+    v = np.concatenate([kv_to_f64(v_base, kv_kind), kv_to_f64(v_tail, kv_kind)], axis=1)
+    k, v = k.reshape(hkv, -1, d)[:, :n_tokens], v.reshape(hkv, -1, d)[:, :n_tokens]  # [Hkv, T, d]
+    out, lse = np.zeros((q.shape[0], d)), np.full(q.shape[0], -np.inf)
+    for h in range(q.shape[0]):
+        j = h // g
+        ids = blocks[0 if blocks.shape[0] == 1 else j]
+        tok = (np.asarray(ids, np.int64)[:, None] * bs + np.arange(bs)).ravel()
+        tok = tok[tok < n_tokens]
+        if tok.size == 0:
+            continue
+        s = scale * (k[j, tok] @ q[h].astype(np.float64))
+        lse[h] = np.logaddexp.reduce(s)
+        out[h] = np.exp(s - lse[h]) @ v[j, tok]
+    return out, lse
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Exact log-sum-exp merge of two attention results over disjoint token sets.
+
+    out_* [Hq, d], lse_* [Hq]; an empty part has lse -inf. Returns (out, lse) float32.
+    """
+    la, lb = np.asarray(lse_a, F32), np.asarray(lse_b, F32)
+    big = np.maximum(la, lb)
+    safe = np.where(np.isfinite(big), big, F32(0.0))
+    wa, wb = np.exp(la - safe), np.exp(lb - safe)  # exp(-inf) = 0 for an empty part
+    tot = wa + wb
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = (wa / tot)[:, None] * out_a + (wb / tot)[:, None] * out_b
+        lse = safe + np.log(tot)
+    empty = tot == 0
+    out[empty], lse[empty] = 0.0, -np.inf
+    return out.astype(F32), lse.astype(F32)
+
+
+def merge_partials_ref(out_a, lse_a, out_b, lse_b):
+    """float64 NumPy reference of `merge_partials`."""
+    lse = np.logaddexp(lse_a, lse_b)
+    safe = np.where(np.isfinite(lse), lse, 0.0)
+    wa = np.where(np.isfinite(lse_a), np.exp(lse_a - safe), 0.0)[:, None]
+    wb = np.where(np.isfinite(lse_b), np.exp(lse_b - safe), 0.0)[:, None]
+    return wa * out_a + wb * out_b, lse
