@@ -57,8 +57,8 @@ def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
     qp [R, P] packed queries (R % 4 == 0); s [R, CH]; columns nt..ceil4(nt) repeat the last row.
     Rows pf[:npf] (the next chunk) are prefetched a tile at a time, a few lines per channel
     group, so the prefetches interleave evenly with the loads and FMAs. (A read loop of the same
-    shape streams DRAM at 82-86% of the bulk rate this way and at 66% with a tile's prefetches issued
-    at once; in this kernel, 0.90-1.01x the time, within the noise; docs/benchmarks.md.)
+    shape streams DRAM at 82-86% of the bulk rate this way, 66-76% with a tile's prefetches at
+    once; in this kernel 0.90-1.03x the time, mostly within the noise; docs/benchmarks.md.)
     """
     ng = qp.shape[1] // (2 * W)
     nl = -(-d * tag.itemsize // 64)  # cache lines per row
