@@ -245,7 +245,7 @@ def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc_out
 def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_blocks, n_tokens, n_split,
             scale, perm):
     # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, d*size]; blocks [S, n] int32; perm [P] (packing)
-    if not in_range(blocks, n_blocks):  # here, not in NumPy: ~40 us less after a cache flush
+    if not _in_range(blocks, n_blocks):  # here, not in NumPy: ~40 us less after a cache flush
         raise ValueError("block id out of range")
     hkv = k_tail.shape[0]
     qp = pack_rows(q, hkv, perm, scale)  # [Hkv, R, P]
@@ -271,7 +271,7 @@ def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_blocks, 
 
 
 @njit(nogil=True, cache=True)
-def in_range(ids, n):
+def _in_range(ids, n):
     """Whether every entry of the 2-D id array lies in 0..n-1."""
     for r in range(ids.shape[0]):
         for i in range(ids.shape[1]):
