@@ -295,9 +295,11 @@ def pack_rows(x, hkv, perm, scale):
     g = x.shape[0] // hkv
     out = np.zeros((hkv, -(-g // 4) * 4, perm.shape[0]), F32)
     for h in range(x.shape[0]):
+        row, src = out[h // g, h % g], x[h]  # the divisions once per row, not per channel
         for p in range(perm.shape[0]):
-            if perm[p] >= 0:
-                out[h // g, h % g, p] = x[h, perm[p]] * scale
+            c = perm[p]
+            if c >= 0:
+                row[p] = src[c] * scale
     return out
 
 
