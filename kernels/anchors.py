@@ -328,7 +328,7 @@ def _score_range(qs, an, q8, candidates, i0, i1, j, out):
     na, row = an.shape[2], an.shape[3]
     d = row - Q8_EXTRA if q8 else row
     sj = qs[j]  # [A, P]
-    ints = VNNI and q8 and d % 32 == 0  # Q8 codes times an int16 query: 2 ops per 16 channels
+    ints = VNNI and q8 and d % 32 == 0  # codes times an int16 query: 3 ops per 32 channels, not 6
     # [A, 2, P // 2] (int16 bits), [A, 2]
     qv, sc = _q16(qs, j) if ints else (np.empty((na, 2, 0), F32), np.ones((na, 2), F32))
     for i in range(i0, i1, 4):
