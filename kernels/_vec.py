@@ -18,9 +18,7 @@ from numba.extending import intrinsic, models, register_model
 
 from ._simd import _HALF, _LO, _ONE, _P0, _P1, _P2, _P3, _P4, _P5, _ZERO
 
-_FEATURES = llb.get_host_cpu_features().flatten()
-W = 16 if "+avx512f" in _FEATURES else 8
-VNNI = W == 16 and "+avx512bw" in _FEATURES and "+avx512vnni" in _FEATURES
+W = 16 if "+avx512f" in llb.get_host_cpu_features().flatten() else 8
 _I32 = ir.IntType(32)
 
 
@@ -342,29 +340,3 @@ def touch(typingctx, addr):
         builder.load_atomic(p, "monotonic", 1)  # an atomic load is never removed as unused
         return context.get_dummy_value()
     return types.none(addr), codegen
-
-
-@intrinsic
-def vdot_i8(typingctx, acc, q, addr):
-    """acc + the pairwise products of q and the 32 int8 codes at integer address `addr`: acc
-    holds 16 int32 sums and q 32 int16 (both in a vec's bits); lane i gains
-    q[2i] code[2i] + q[2i+1] code[2i+1] (AVX512-VNNI vpdpwssd, exact integer arithmetic)."""
-    def codegen(context, builder, sig, args):
-        i32x16 = ir.VectorType(_I32, 16)
-        codes = builder.load(builder.inttoptr(args[2], ir.VectorType(ir.IntType(8), 32)
-                                              .as_pointer()), align=1)
-        wide = builder.bitcast(builder.sext(codes, ir.VectorType(ir.IntType(16), 32)), i32x16)
-        fnty = ir.FunctionType(i32x16, [i32x16] * 3)
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.vpdpwssd.512")
-        r = builder.call(fn, [builder.bitcast(args[0], i32x16), builder.bitcast(args[1], i32x16),
-                              wide])
-        return builder.bitcast(r, _VEC)
-    return vec(vec, vec, addr), codegen
-
-
-@intrinsic
-def vcvt_i32(typingctx, v):
-    """The 16 int32 lanes held in v's bits, as float32."""
-    def codegen(context, builder, sig, args):
-        return builder.sitofp(builder.bitcast(args[0], ir.VectorType(_I32, W)), _VEC)
-    return vec(vec), codegen

@@ -32,19 +32,15 @@ from ._simd import (
     to_f32,
 )
 from ._vec import (
-    VNNI,
     W,
     load_f32,
     prefetch,
     row_addr,
     store_f32,
-    vcvt_i32,
-    vdot_i8,
     vfma,
     vhsum,
     vload,
     vload2,
-    vmul,
     vsplat,
     vsum4,
     vzero,
@@ -279,46 +275,6 @@ def _dot4(sj, a, an, r0, r1, r2, r3, d, a0, a1, a2, a3):
     return a0, a1, a2, a3
 
 
-@njit(nogil=True, cache=True)
-def _q16(qs, j):
-    """Head j's query sums qs[j] [A, P] as two int16 parts, q = hi * s_hi + lo * s_lo to ~2**-30
-    of its largest value: [A, 2, P] int16 viewed as float32 [A, 2, P // 2] (the bits vdot_i8
-    reads), and the scales [A, 2]."""
-    na, p = qs.shape[1], qs.shape[2]
-    parts = np.zeros((na, 2, p), np.int16)
-    sc = np.ones((na, 2), F32)
-    for a in range(na):
-        big = F32(0.0)
-        for c in range(p):
-            big = max(big, abs(qs[j, a, c]))
-        if big > 0:
-            sc[a, 0] = big / F32(32767.0)
-            sc[a, 1] = sc[a, 0] / F32(32768.0)
-        for c in range(p):
-            hi = np.round(qs[j, a, c] / sc[a, 0])
-            parts[a, 0, c] = np.int16(hi)
-            parts[a, 1, c] = np.int16(np.round((qs[j, a, c] - hi * sc[a, 0]) / sc[a, 1]))
-    return parts.view(F32), sc
-
-
-@njit(nogil=True, cache=True, fastmath=FASTMATH, inline="always")
-def _dot4_i8(qv, sc, a, r0, r1, r2, r3, d):
-    """qs . (Q8 codes at r0..r3) for anchor a, over d channels (d % 32 == 0): four float
-    vectors whose lanes sum to the dots (before each anchor's own scale)."""
-    h0 = h1 = h2 = h3 = l0 = l1 = l2 = l3 = vzero()  # int32 sums: hi and lo parts of q
-    for gi in range(d // 32):
-        qh, ql, o = vload(qv[a], 0, 16 * gi), vload(qv[a], 1, 16 * gi), 32 * gi
-        h0, l0 = vdot_i8(h0, qh, r0 + o), vdot_i8(l0, ql, r0 + o)
-        h1, l1 = vdot_i8(h1, qh, r1 + o), vdot_i8(l1, ql, r1 + o)
-        h2, l2 = vdot_i8(h2, qh, r2 + o), vdot_i8(l2, ql, r2 + o)
-        h3, l3 = vdot_i8(h3, qh, r3 + o), vdot_i8(l3, ql, r3 + o)
-    s_hi, s_lo = vsplat(sc[a, 0]), vsplat(sc[a, 1])
-    return (vfma(vcvt_i32(h0), s_hi, vmul(vcvt_i32(l0), s_lo)),
-            vfma(vcvt_i32(h1), s_hi, vmul(vcvt_i32(l1), s_lo)),
-            vfma(vcvt_i32(h2), s_hi, vmul(vcvt_i32(l2), s_lo)),
-            vfma(vcvt_i32(h3), s_hi, vmul(vcvt_i32(l3), s_lo)))
-
-
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
 def _score_range(qs, an, q8, candidates, i0, i1, j, out):
     """Scores of candidates[i0:i1] for KV head j into out [Hkv, n]; an [Hkv, nb_cap, A, row] (f32,
@@ -328,9 +284,6 @@ def _score_range(qs, an, q8, candidates, i0, i1, j, out):
     na, row = an.shape[2], an.shape[3]
     d = row - Q8_EXTRA if q8 else row
     sj = qs[j]  # [A, P]
-    ints = VNNI and q8 and d % 32 == 0  # codes times an int16 query: 3 ops per 32 channels, not 6
-    # [A, 2, P // 2] (int16 bits), [A, 2]
-    qv, sc = _q16(qs, j) if ints else (np.empty((na, 2, 0), F32), np.ones((na, 2), F32))
     for i in range(i0, i1, 4):
         if i + PF < i1:  # anchors PF blocks ahead (4 blocks' rows a step)
             for r in range(4):
@@ -345,11 +298,8 @@ def _score_range(qs, an, q8, candidates, i0, i1, j, out):
             r0, r1 = row_addr(an, j, b0, a), row_addr(an, j, b1, a)
             r2, r3 = row_addr(an, j, b2, a), row_addr(an, j, b3, a)
             if q8:  # each anchor's dot times its own scale
-                if ints:
-                    t0, t1, t2, t3 = _dot4_i8(qv, sc, a, r0, r1, r2, r3, d)
-                else:
-                    z = vzero()
-                    t0, t1, t2, t3 = _dot4(sj, a, an, r0, r1, r2, r3, d, z, z, z, z)
+                z = vzero()
+                t0, t1, t2, t3 = _dot4(sj, a, an, r0, r1, r2, r3, d, z, z, z, z)
                 a0 = vfma(vsplat(load_f32(r0 + d)), t0, a0)
                 a1 = vfma(vsplat(load_f32(r1 + d)), t1, a1)
                 a2 = vfma(vsplat(load_f32(r2 + d)), t2, a2)

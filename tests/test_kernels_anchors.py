@@ -233,19 +233,3 @@ def test_threads_and_threading_layer():
     kv = np.zeros((1, 1, 16, 16), np.float32)
     K.attend_blocks(q, kv[:, :0], kv[:, :0], kv, kv, 0, np.zeros((1, 1), np.int32), 16, 1.0, 0)
     assert numba.threading_layer() in ("omp", "tbb", "workqueue")
-
-
-def test_int16_query_split_is_exact_to_float32():
-    """Q8 scoring on AVX512-VNNI multiplies the codes by the query as two int16 parts:
-    hi * s_hi + lo * s_lo rebuilds every channel to within 2**-29 of the largest one."""
-    rng = np.random.default_rng(9)
-    qs = (rng.standard_normal((3, 2, 128)) * np.array([1e-3, 1.0, 50.0])[:, None, None])
-    qs = qs.astype(np.float32)
-    qs[1, 1] = 0.0  # an all-zero row keeps scale 1 and zero parts
-    for j in range(3):
-        bits, sc = anchors_mod._q16(qs, j)
-        parts = bits.view(np.int16).astype(np.float64)  # [A, 2, P]
-        back = parts[:, 0] * sc[:, :1] + parts[:, 1] * sc[:, 1:]
-        big = np.abs(qs[j]).max(-1, keepdims=True)
-        assert np.all(np.abs(back - qs[j]) <= big * 2.0 ** -29 + 1e-30)
-        assert np.abs(parts).max() <= 32767
