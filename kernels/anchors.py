@@ -45,7 +45,7 @@ from ._vec import (
     vsum4,
     vzero,
 )
-from .attention import channel_perm, pack_rows
+from .attention import channel_perm, ids_in_range, pack_rows
 from .threads import use_threads
 
 ANCHOR_TYPES = {"MAX": 0, "MEAN": 1, "QUEST": 2, "FIX": 3, "DYNAMIC": 4}
@@ -378,9 +378,8 @@ def _score_serial(q, anchors, fmt, candidates, quest, perm):
 @njit(nogil=True, cache=True)
 def _scores(q, anchors, fmt, candidates, quest, n_parts, perm):
     """Per-head scores [Hkv, n]: in parallel, or serially when n_parts is 1."""
-    for i in range(candidates.shape[0]):  # here, not in NumPy: ~40 us less after a cache flush
-        if candidates[i] < 0 or candidates[i] >= anchors.shape[1]:
-            raise ValueError("candidate block id out of range")
+    if not ids_in_range(candidates.reshape(1, -1), anchors.shape[1]):
+        raise ValueError("candidate block id out of range")
     if n_parts == 1:
         return _score_serial(q, anchors, fmt, candidates, quest, perm)
     return _score(q, anchors, fmt, candidates, quest, n_parts, perm)
@@ -544,7 +543,7 @@ def select_blocks(q, anchors, candidates, k, quest, shared):
     candidates = _candidate_ids(candidates, anchors, quest)
     k = min(k, candidates.size)
     if k == candidates.size or k == 0:  # no scoring, so the range is checked here
-        if candidates.size and (candidates.min() < 0 or candidates.max() >= anchors.shape[1]):
+        if not ids_in_range(candidates[None], anchors.shape[1]):
             raise ValueError("candidate block id out of range")
         return _all_or_none(candidates, 1 if shared else anchors.shape[0], k)
     return _select(readonly(q, F32), raw, fmt, candidates, bool(quest),
