@@ -85,6 +85,7 @@ try:
         merge_partials_ref,
     )
     from .gemv import gemv, gemv_ref  # noqa: E402
+    from .step import select_attend, select_attend_ref  # noqa: E402
     from .votes import query_votes, query_votes_ref  # noqa: E402
 finally:
     numba.config.CACHE_DIR = _saved_cache_dir
@@ -99,5 +100,6 @@ __all__ = [
     "auto_threads", "cache_dir", "cache_is_cold", "compute_anchors", "compute_anchors_ref",
     "configure_threads", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "merge_partials",
     "merge_partials_ref", "q8_encode", "query_votes", "query_votes_ref", "score_blocks",
-    "score_blocks_ref", "select_blocks", "source_hash", "topk_blocks", "topk_blocks_ref",
+    "score_blocks_ref", "select_attend", "select_attend_ref", "select_blocks", "source_hash",
+    "topk_blocks", "topk_blocks_ref",
 ]

@@ -309,6 +309,46 @@ def prefetch(typingctx, addr):
     return types.none(addr), codegen
 
 
+_X86 = llb.get_process_triple().split("-")[0] in ("x86_64", "i386", "i686")
+
+
+@intrinsic
+def fetch_add(typingctx, arr, i, v):
+    """Atomically arr[i] += v (sequentially consistent) on a 1-D int64 array; the old value."""
+    if not _is_array(arr, 1, types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _item_ptr(context, builder, sig, args)
+        return builder.atomic_rmw("add", ptr, context.cast(builder, args[2], sig.args[2],
+                                                            types.int64), "seq_cst")
+    return types.int64(arr, i, v), codegen
+
+
+@intrinsic
+def load_acquire(typingctx, arr, i):
+    """arr[i] of a 1-D int64 array, read atomically with acquire order (never hoisted out of a
+    loop: for spinning on a flag another thread sets with fetch_add)."""
+    if not _is_array(arr, 1, types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load_atomic(_item_ptr(context, builder, sig, args), "acquire", 8)
+    return types.int64(arr, i), codegen
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """A spin-wait hint (x86 `pause`; nothing elsewhere)."""
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
 @intrinsic
 def load_f32(typingctx, addr):
     """The float32 at integer address `addr` (any alignment)."""

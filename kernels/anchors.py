@@ -317,7 +317,7 @@ def _score_range(qs, an, q8, candidates, i0, i1, j, out):
 
 
 @njit(nogil=True, cache=True)
-def _score_prep(q, hkv, na, quest, perm, n):
+def score_prep(q, hkv, na, quest, perm, n):
     """Per KV head, the packed query sum each anchor is multiplied by [Hkv, A, P], and the
     per-head score array [Hkv, n]; serial, so that no allocation becomes a parfor.
 
@@ -342,7 +342,7 @@ def _score_prep(q, hkv, na, quest, perm, n):
 
 
 @njit(nogil=True, cache=True)
-def _score_part(qs, anchors, fmt, candidates, i0, i1, j, per_head):
+def score_part(qs, anchors, fmt, candidates, i0, i1, j, per_head):
     """Scores of candidates[i0:i1] for KV head j (see _score_range), anchors as raw bytes."""
     if fmt == FMT_Q8:
         _score_range(qs, anchors.view(np.int8), True, candidates, i0, i1, j, per_head)
@@ -356,11 +356,11 @@ def _score_part(qs, anchors, fmt, candidates, i0, i1, j, per_head):
 def _score(q, anchors, fmt, candidates, quest, n_parts, perm):
     # q [Hq, d] f32; anchors bytes [Hkv, nb_cap, A, row] in format fmt; candidates [n] -> [Hkv, n]
     n, hkv = candidates.shape[0], anchors.shape[0]
-    qs, per_head = _score_prep(q, hkv, anchors.shape[2], quest, perm, n)
+    qs, per_head = score_prep(q, hkv, anchors.shape[2], quest, perm, n)
     per = max(1, n_parts // hkv)  # parts per head: each head's anchors stay one long stream
     for part in prange(hkv * per):
         j, c = part // per, part % per
-        _score_part(qs, anchors, fmt, candidates, c * n // per, (c + 1) * n // per, j, per_head)
+        score_part(qs, anchors, fmt, candidates, c * n // per, (c + 1) * n // per, j, per_head)
     return per_head
 
 
@@ -369,9 +369,9 @@ def _score_serial(q, anchors, fmt, candidates, quest, perm):
     """`_score` on the calling thread: for few anchors, waking a thread costs more than it
     saves (tens of microseconds a parallel region on a VM)."""
     n, hkv = candidates.shape[0], anchors.shape[0]
-    qs, per_head = _score_prep(q, hkv, anchors.shape[2], quest, perm, n)
+    qs, per_head = score_prep(q, hkv, anchors.shape[2], quest, perm, n)
     for j in range(hkv):
-        _score_part(qs, anchors, fmt, candidates, 0, n, j, per_head)
+        score_part(qs, anchors, fmt, candidates, 0, n, j, per_head)
     return per_head
 
 
@@ -407,7 +407,7 @@ def anchor_bytes(anchors: np.ndarray, write: bool = False) -> tuple[np.ndarray, 
     return (anchors.view(np.uint8) if write else readonly_bytes(anchors)), fmt
 
 
-def _candidate_ids(candidates, anchors, quest) -> np.ndarray:
+def candidate_ids(candidates, anchors, quest) -> np.ndarray:
     """The candidates as read-only int32 (their range is checked in `_scores`)."""
     candidates = readonly(candidates, np.int32)
     if candidates.ndim != 1:
@@ -425,7 +425,7 @@ def _n_parts(candidates: np.ndarray, anchors: np.ndarray) -> int:
     return max(1, min(4 * use_threads(), candidates.size))
 
 
-def _perm(anchors: np.ndarray, fmt: int) -> np.ndarray:
+def score_perm(anchors: np.ndarray, fmt: int) -> np.ndarray:
     """The packed channel order the scoring kernel reads anchors of this format in."""
     d = anchors.shape[3] - (Q8_EXTRA if fmt == FMT_Q8 else 0)
     return channel_perm(d, 1 if fmt == FMT_BF16 else 0)
@@ -440,9 +440,9 @@ def score_blocks(q, anchors, candidates, quest, shared):
     any anchor format.
     """
     raw, fmt = anchor_bytes(anchors)
-    candidates = _candidate_ids(candidates, anchors, quest)
+    candidates = candidate_ids(candidates, anchors, quest)
     per_head = _scores(readonly(q, F32), raw, fmt, candidates, bool(quest),
-                       _n_parts(candidates, anchors), _perm(anchors, fmt))
+                       _n_parts(candidates, anchors), score_perm(anchors, fmt))
     return per_head.sum(0, keepdims=True) if shared else per_head  # [S, n]
 
 
@@ -525,7 +525,14 @@ def _all_or_none(candidates: np.ndarray, rows: int, k: int) -> np.ndarray:
 @njit(nogil=True, cache=True)
 def _select(q, anchors, fmt, candidates, quest, n_parts, perm, k, shared):
     """Top-k candidates [S, k] by score: one call (scores, their sum over heads, top-k)."""
-    per_head = _scores(q, anchors, fmt, candidates, quest, n_parts, perm)  # [Hkv, n]
+    return top_blocks(_scores(q, anchors, fmt, candidates, quest, n_parts, perm), candidates, k,
+                      shared)
+
+
+@njit(nogil=True, cache=True)
+def top_blocks(per_head, candidates, k, shared):
+    """[S, k] top-k candidates of per-head scores [Hkv, n]: of their sum (shared, S = 1) or of
+    each head's row (S = Hkv); 0 < k < n."""
     if not shared:
         return _topk_rows(per_head, candidates, k)
     total = np.zeros((1, per_head.shape[1]), F32)
@@ -540,14 +547,14 @@ def select_blocks(q, anchors, candidates, k, quest, shared):
     kernel call: the selection a decode step makes, with no NumPy calls between its parts
     (after a cache flush, each costs tens of microseconds)."""
     raw, fmt = anchor_bytes(anchors)
-    candidates = _candidate_ids(candidates, anchors, quest)
+    candidates = candidate_ids(candidates, anchors, quest)
     k = min(k, candidates.size)
     if k == candidates.size or k == 0:  # no scoring, so the range is checked here
         if not ids_in_range(candidates[None], anchors.shape[1]):
             raise ValueError("candidate block id out of range")
         return _all_or_none(candidates, 1 if shared else anchors.shape[0], k)
     return _select(readonly(q, F32), raw, fmt, candidates, bool(quest),
-                   _n_parts(candidates, anchors), _perm(anchors, fmt), k, bool(shared))
+                   _n_parts(candidates, anchors), score_perm(anchors, fmt), k, bool(shared))
 
 
 def topk_blocks_ref(scores, candidates, k):

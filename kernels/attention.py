@@ -261,17 +261,23 @@ def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_blocks, 
         j, part = item // n_split, item % n_split
         row = 0 if blocks.shape[0] == 1 else j
         ids = blocks[row, part * n // n_split:(part + 1) * n // n_split]
-        args = (nb_base, ids, n_tokens, j, acc[item], mx[item], den[item])
-        if kind == 1:  # view the bytes back as the storage dtype
-            _item(qp[j], k_base.view(np.uint16), v_base.view(np.uint16),
-                  k_tail.view(np.uint16), v_tail.view(np.uint16), *args)
-        elif kind == 2:
-            _item(qp[j], k_base.view(np.int16), v_base.view(np.int16), k_tail.view(np.int16),
-                  v_tail.view(np.int16), *args)
-        else:
-            _item(qp[j], k_base.view(F32), v_base.view(F32), k_tail.view(F32),
-                  v_tail.view(F32), *args)
-    return _merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
+        attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, ids, n_tokens, j,
+                    acc[item], mx[item], den[item])
+    return merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
+
+
+@njit(nogil=True, cache=True)
+def attend_item(qp, k_base, v_base, k_tail, v_tail, kind, nb_base, ids, n_tokens, j, acc, m, den):
+    """`_item` over K/V bytes viewed back as the storage dtype of `kind`."""
+    args = (nb_base, ids, n_tokens, j, acc, m, den)
+    if kind == 1:
+        _item(qp, k_base.view(np.uint16), v_base.view(np.uint16), k_tail.view(np.uint16),
+              v_tail.view(np.uint16), *args)
+    elif kind == 2:
+        _item(qp, k_base.view(np.int16), v_base.view(np.int16), k_tail.view(np.int16),
+              v_tail.view(np.int16), *args)
+    else:
+        _item(qp, k_base.view(F32), v_base.view(F32), k_tail.view(F32), v_tail.view(F32), *args)
 
 
 @njit(nogil=True, cache=True)
@@ -309,7 +315,7 @@ def pack_rows(x, hkv, perm, scale):
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
-def _merge_items(acc, mx, den, n_split, g, d, perm):
+def merge_items(acc, mx, den, n_split, g, d, perm):
     """Merge item states acc [Hkv*n_split, R, P], mx/den [Hkv*n_split, R] (log2 units) into
     out [Hkv*g, d] (channel order) and lse [Hkv*g] (natural log)."""
     n_items, _, p = acc.shape
@@ -355,18 +361,30 @@ def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, 
     ascending, no repeats. Returns out [Hq, d] f32 and lse [Hq] f32 (natural log of the summed
     exp(scale * q.k); -inf and out 0 for a head with no tokens).
     """
+    q, kv, n_blocks = kv_args(q, k_base, v_base, k_tail, v_tail, nb_base, n_tokens, kv_kind)
+    hkv, d = k_tail.shape[0], k_tail.shape[3]
+    blocks = readonly(blocks, np.int32)
+    if blocks.ndim != 2 or blocks.shape[0] not in (1, hkv):
+        raise ValueError(f"blocks must be [1 or {hkv}, n], got {blocks.shape}")
+    n_split = max(1, min(items_per_head(hkv), blocks.shape[1]))
+    return _attend(q, *kv, kv_kind, nb_base, blocks, n_blocks, n_tokens, n_split,
+                   F32(scale * LOG2E), channel_perm(d, kv_kind))
+
+
+def kv_args(q, k_base, v_base, k_tail, v_tail, nb_base, n_tokens, kv_kind):
+    """Checked kernel arguments: q read-only f32 [Hq, d], the four K/V arrays as read-only bytes,
+    and the number of blocks holding tokens."""
     kv = [kv_bytes(name, a, kv_kind) for name, a in
           (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail))]
     hkv, _, bs, d = k_tail.shape
     if q.ndim != 2 or q.shape[1] != d or q.shape[0] % hkv:
         raise ValueError(f"q must be [Hq, {d}] with Hq a multiple of {hkv}, got {q.shape}")
-    blocks = readonly(blocks, np.int32)
-    if blocks.ndim != 2 or blocks.shape[0] not in (1, hkv):
-        raise ValueError(f"blocks must be [1 or {hkv}, n], got {blocks.shape}")
-    n_blocks = min(nb_base + k_tail.shape[1], -(-n_tokens // bs))
-    n_split = max(1, min(-(-4 * use_threads() // hkv), blocks.shape[1]))  # >= 4 items a thread
-    return _attend(readonly(q, F32), *kv, kv_kind, nb_base, blocks, n_blocks, n_tokens, n_split,
-                   F32(scale * LOG2E), channel_perm(d, kv_kind))
+    return readonly(q, F32), kv, min(nb_base + k_tail.shape[1], -(-n_tokens // bs))
+
+
+def items_per_head(hkv: int) -> int:
+    """Parts each KV head's blocks are split into: at least 4 items a thread."""
+    return max(1, -(-4 * use_threads() // hkv))
 
 
 def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):

@@ -201,13 +201,6 @@ class AttentionRouter:
         return (acc / denom[..., None]).reshape(Hq, L, d)
 
     # --- sparse: per token, policy picks blocks, Numba kernel attends -------------------------
-    def _attend_cpu(self, q: np.ndarray, kv: tuple, blocks: np.ndarray, n_tokens: int,
-                    scale: float) -> tuple[np.ndarray, np.ndarray]:
-        from ktlong import kernels
-
-        return kernels.attend_blocks(q, *kv, blocks, n_tokens, np.float32(scale),
-                                     self.store.kv_kind)
-
     def _sparse(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 start: int, scale: float) -> torch.Tensor:
         """Per token: the policy picks blocks and the CPU kernel reads them.
@@ -221,22 +214,20 @@ class AttentionRouter:
         bs = self.store.shape.block_size
         qn = q.detach().float().cpu().numpy()  # [Hq, L, d]
         out = np.empty((Hq, L, d), np.float32)
-        kv = self.store.kernel_args(layer)  # (k_base, v_base, k_tail, v_tail, nb_base)
         for i in range(L):
             n_tokens = start + i + 1
             qi = np.ascontiguousarray(qn[:, i])  # [Hq, d]
-            blocks = self.policy.select(layer, qi, n_tokens)  # [S, n] int32
+            step = self.policy.plan(layer, qi, n_tokens)
             if self.local is None:
-                out[:, i] = self._attend_cpu(qi, kv, blocks, n_tokens, scale)[0]
+                out[:, i] = self.policy.attend(step, scale)[0]
                 continue
-            cut = blocks.shape[1] - (-(-n_tokens // bs) - self.policy.last_local0)  # pre-window
             job = None
-            if cut > 0:
-                cpu_blocks = np.ascontiguousarray(blocks[:, :cut])
-                job = _POOL.submit(self._attend_cpu, qi, kv, cpu_blocks, n_tokens, scale)
-            o_dev, lse_dev = self.local.attend(layer, q[:, i], self.policy.last_local0 * bs,
-                                               n_tokens, scale, k[:, : i + 1], v[:, : i + 1],
-                                               start)
+            if step.candidates is not None or step.n_init + step.chosen.shape[1] > 0:
+                job = _POOL.submit(self.policy.attend, step, scale, False)  # init + selected
+            else:
+                self.policy.commit(step)
+            o_dev, lse_dev = self.local.attend(layer, q[:, i], step.local0 * bs, n_tokens, scale,
+                                               k[:, : i + 1], v[:, : i + 1], start)
             o, lse = o_dev.float().cpu().numpy(), lse_dev.float().cpu().numpy()
             if job is not None:
                 o, lse = kernels.merge_partials(*job.result(), o, lse)

@@ -1,6 +1,6 @@
 """How much of the exact attention the block selection keeps: recall, overlap and the block map.
 
-`SelectionRecorder` wraps a session's `policy.select` and keeps what every decode step asked for
+`SelectionRecorder` wraps a session's `policy.commit` and keeps what every decode step asked for
 (layer, query, context length) and got (blocks). `analyse` then recomputes each step's exact
 softmax attention over the whole context in NumPy from the store's keys and measures:
 - recall: the share of the attention mass (per query head, averaged over heads) that falls in the
@@ -26,7 +26,7 @@ TOKEN_CHUNK = 1 << 15  # tokens of K read from the store at once (a multiple of 
 
 @dataclass
 class StepRecord:
-    """One call of `policy.select`: one layer at one decode step."""
+    """One committed step of the policy: one layer at one decode step."""
 
     layer: int
     n_tokens: int  # context length including the token being decoded
@@ -35,27 +35,27 @@ class StepRecord:
 
 
 class SelectionRecorder:
-    """Context manager: record every `policy.select` call of a session (the router calls it once
-    per layer per decoded token)."""
+    """Context manager: record every step a session's policy commits (the router commits one per
+    layer per decoded token; `policy.select` commits too)."""
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
         self.records: list[StepRecord] = []
 
     def __enter__(self) -> SelectionRecorder:
-        inner = self.policy.select  # the bound method
+        inner = self.policy.commit  # the bound method
 
-        def select(layer: int, q: np.ndarray, n_tokens: int) -> np.ndarray:
-            blocks = inner(layer, q, n_tokens)
-            self.records.append(StepRecord(layer, n_tokens, np.array(q, np.float32, copy=True),
-                                           np.array(blocks, np.int32, copy=True)))
-            return blocks
+        def commit(step: Any, chosen: np.ndarray | None = None) -> Any:
+            step = inner(step, chosen)
+            self.records.append(StepRecord(step.layer, step.n_tokens,
+                                           np.array(step.q, np.float32, copy=True), step.blocks()))
+            return step
 
-        self.policy.select = select  # an instance attribute shadows the method
+        self.policy.commit = commit  # an instance attribute shadows the method
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.policy.select
+        del self.policy.commit
 
 
 @dataclass

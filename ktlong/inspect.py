@@ -125,7 +125,7 @@ class Observed:
 def record_decode(lm: Any, settings: Settings, document: str, question: str,
                   n_answer: int = 8, progress: Any = None) -> Observed:
     """Open the document as the chat does, append the question, decode `n_answer` tokens
-    (greedy) and record every layer's `policy.select` call at each of those steps."""
+    (greedy) and record every layer's committed step at each of those steps."""
     from ktlong.engine import Sampling
     from ktlong.promptcache import open_document
 

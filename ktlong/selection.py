@@ -11,6 +11,8 @@ left the local window since it was made. With preselection, the prompt's last qu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -18,6 +20,32 @@ from ktlong import kernels
 from ktlong.config import Settings
 from ktlong.kvstore import KVStore
 from ktlong.model import ModelSpec
+
+
+@dataclass
+class Step:
+    """One layer's blocks at one decode step: the init blocks `[0, n_init)`, `chosen` `[S, k]`
+    from the context, and the local window `[local0, nb)`. A step that chooses afresh has
+    `candidates` (the top `k` of them by anchor score are chosen) and gets `chosen` on commit."""
+
+    layer: int
+    n_tokens: int
+    q: np.ndarray  # [Hq, d] f32
+    n_init: int
+    local0: int
+    nb: int
+    chosen: np.ndarray | None = None  # [S, k] int32, rows ascending
+    candidates: np.ndarray | None = None  # [n] int32
+    k: int = 0
+    group: int = 0
+
+    def blocks(self, end: int | None = None) -> np.ndarray:
+        """`[S, n]` int32: init, chosen and local blocks up to `end` (default: all)."""
+        S = self.chosen.shape[0]
+        init = np.broadcast_to(np.arange(self.n_init, dtype=np.int32), (S, self.n_init))
+        hi = self.nb if end is None else end
+        local = np.broadcast_to(np.arange(self.local0, hi, dtype=np.int32), (S, hi - self.local0))
+        return np.ascontiguousarray(np.concatenate([init, self.chosen, local], axis=1))
 
 
 class SelectionPolicy:
@@ -34,7 +62,6 @@ class SelectionPolicy:
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
         self._preselect_upto = 0  # blocks complete when the vote was taken
         self._dynamic_upto = [0] * spec.n_layers  # blocks with DYNAMIC (vote-based) anchors
-        self.last_local0 = 0
         self.reset_counters()
 
     # --- budget ------------------------------------------------------------------------------
@@ -58,33 +85,68 @@ class SelectionPolicy:
         return self._read / self._total if self._total else 1.0
 
     # --- selection ---------------------------------------------------------------------------
-    def select(self, layer: int, q: np.ndarray, n_tokens: int) -> np.ndarray:
-        """q `[Hq, d]` f32 of the token at position n_tokens - 1 -> blocks `[S, n]` int32."""
+    def plan(self, layer: int, q: np.ndarray, n_tokens: int) -> Step:
+        """q `[Hq, d]` f32 of the token at position n_tokens - 1 -> this layer's blocks, with the
+        choice among the candidates still to make when the step chooses afresh."""
         nb = -(-n_tokens // self.bs)
         local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs  # first local block
-        self.last_local0 = local0  # blocks >= this are the local window (GPU-side when enabled)
         if self.dense or layer < self.s.dense_layer_num or nb <= self.budget_blocks():
-            self._count(nb, nb)
-            return np.arange(nb, dtype=np.int32)[None]
+            # every block: those before the window as "chosen" (a local-window device takes
+            # the window)
+            return Step(layer, n_tokens, q, 0, local0, nb, np.arange(local0, dtype=np.int32)[None])
         group = layer // self.s.layer_step
         cached = self._groups.get(group)
         if cached is None or (layer % self.s.layer_step == 0 and n_tokens % self.s.token_step == 0):
-            chosen = self._choose(layer, q, local0)  # [S, k], every block < local0
+            cand = self._candidates(layer, local0)  # ascending, every one < local0
+            k = self.s.second_select_num
+            if 0 < k < cand.size:  # chosen by the kernel; committed with the choice
+                self._ensure_anchors(layer, local0)
+                return Step(layer, n_tokens, q, self.n_init, local0, nb, candidates=cand, k=k,
+                            group=group)
+            S = 1 if self.shared else self.n_kv
+            chosen = np.broadcast_to(cand[:k], (S, min(k, cand.size))).copy()  # none or all
             self._groups[group] = (chosen, local0)
-        else:
-            chosen, then = cached
-            local0 = min(local0, then)  # blocks that left the local window since stay attended
-            self.last_local0 = local0
-        S = chosen.shape[0]
-        init = np.broadcast_to(np.arange(self.n_init, dtype=np.int32), (S, self.n_init))
-        local = np.broadcast_to(np.arange(local0, nb, dtype=np.int32), (S, nb - local0))
-        blocks = np.ascontiguousarray(np.concatenate([init, chosen, local], axis=1))  # [S, n]
-        self._count(blocks.shape[1], nb)
-        return blocks
+            return Step(layer, n_tokens, q, self.n_init, local0, nb, chosen)
+        chosen, then = cached
+        # blocks that left the local window since the choice stay attended
+        return Step(layer, n_tokens, q, self.n_init, min(local0, then), nb, chosen)
 
-    def _count(self, read: int, total: int) -> None:
-        self._read += read
-        self._total += total
+    def commit(self, step: Step, chosen: np.ndarray | None = None) -> Step:
+        """Record the step's choice (`chosen` [S, k], when it chose afresh) and its reads."""
+        if chosen is not None:
+            step.chosen = chosen
+            self._groups[step.group] = (chosen, step.local0)
+        self._read += step.n_init + step.chosen.shape[1] + step.nb - step.local0
+        self._total += step.nb
+        return step
+
+    def select(self, layer: int, q: np.ndarray, n_tokens: int) -> np.ndarray:
+        """q `[Hq, d]` f32 of the token at position n_tokens - 1 -> blocks `[S, n]` int32."""
+        step = self.plan(layer, q, n_tokens)
+        chosen = None
+        if step.candidates is not None:
+            chosen = kernels.select_blocks(q, self.store.anchors[layer], step.candidates, step.k,
+                                           self.s.anchor_type == "QUEST", self.shared)
+        return self.commit(step, chosen).blocks()
+
+    def attend(self, step: Step, scale: float, local: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Exact attention on the CPU over the step's blocks (without the local window when
+        `local` is False): out `[Hq, d]`, lse `[Hq]`. A step that chooses afresh scores, takes
+        the top-k and attends in one kernel call, and is committed here."""
+        kv = self.store.kernel_args(step.layer)  # (k_base, v_base, k_tail, v_tail, nb_base)
+        kind = self.store.kv_kind
+        end = step.nb if local else step.local0
+        if step.candidates is None:
+            self.commit(step)
+            return kernels.attend_blocks(step.q, *kv, step.blocks(end), step.n_tokens, scale,
+                                         kind)
+        fixed = np.concatenate([np.arange(step.n_init, dtype=np.int32),
+                                np.arange(step.local0, end, dtype=np.int32)])
+        out, lse, chosen = kernels.select_attend(
+            step.q, self.store.anchors[step.layer], step.candidates, step.k,
+            self.s.anchor_type == "QUEST", self.shared, fixed, *kv, step.n_tokens, scale, kind)
+        self.commit(step, chosen)
+        return out, lse
 
     def _candidates(self, layer: int, local0: int) -> np.ndarray:
         lo = self.n_init
@@ -93,20 +155,6 @@ class SelectionPolicy:
             late = np.arange(max(lo, self._preselect_upto), local0, dtype=np.int32)
             return np.concatenate([pre[pre < local0], late]).astype(np.int32)
         return np.arange(lo, local0, dtype=np.int32)
-
-    def _choose(self, layer: int, q: np.ndarray, local0: int) -> np.ndarray:
-        """Top-k candidate blocks by anchor score: `[S, k]` int32, each row ascending."""
-        cand = self._candidates(layer, local0)
-        S = 1 if self.shared else self.n_kv
-        k = self.s.second_select_num
-        if k == 0 or cand.size == 0:
-            return np.zeros((S, 0), np.int32)
-        if k >= cand.size:
-            return np.broadcast_to(cand, (S, cand.size)).copy()
-        self._ensure_anchors(layer, local0)
-        return kernels.select_blocks(
-            q, self.store.anchors[layer], cand, k, self.s.anchor_type == "QUEST", self.shared
-        )
 
     # --- anchors -----------------------------------------------------------------------------
     def _ensure_anchors(self, layer: int, upto: int) -> None:

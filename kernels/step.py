@@ -1,0 +1,159 @@
+"""One decode step's block choice and attention in a single kernel call and parallel region.
+
+`select_attend` scores the candidate blocks by their anchors, takes the top k, and attends to the
+fixed blocks (init and local window) and the chosen ones. It returns what `select_blocks` and then
+`attend_blocks` over the union return (the same blocks; the output to float rounding), but the
+threads wake once instead of twice, no Python runs between the parts, and the fixed blocks are
+read while the candidates are scored and the top-k is taken.
+
+The work is a list of tasks, each thread claiming the next one from a shared atomic counter:
+scoring parts (KV head x part of the candidates), then attention items over the fixed blocks, then
+items over the chosen blocks. The thread that finishes the last scoring part sums the heads and
+takes the top-k; a thread that reaches an item over the chosen blocks before that waits for it.
+A thread only ever waits for tasks another thread has claimed and runs without waiting, so the
+loop cannot deadlock, whether Numba runs it on many threads or on one.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._simd import F32, LOG2E, readonly
+from ._vec import cpu_relax, fetch_add, load_acquire
+from .anchors import (
+    anchor_bytes,
+    candidate_ids,
+    score_part,
+    score_perm,
+    score_prep,
+    select_blocks,
+    top_blocks,
+)
+from .attention import (
+    attend_blocks,
+    attend_blocks_ref,
+    attend_item,
+    channel_perm,
+    ids_in_range,
+    items_per_head,
+    kv_args,
+    merge_items,
+    pack_rows,
+    softmax_state,
+)
+from .threads import use_threads
+
+NEXT, SCORED, CHOSEN = 0, 8, 16  # counter slots, a cache line apart: next task, parts scored,
+# top-k taken
+
+
+@njit(nogil=True, cache=True)
+def _prologue(q, anchors, quest, perm_a, n, hkv, perm, scale, n_items, rows, k):
+    """The kernel's allocations, serial (in the parallel function each would be a parfor)."""
+    qs, per_head = score_prep(q, hkv, anchors.shape[2], quest, perm_a, n)  # [Hkv, A, P], [Hkv, n]
+    qp = pack_rows(q, hkv, perm, scale)  # [Hkv, R, P]
+    acc, mx, den = softmax_state(n_items, qp.shape[1], qp.shape[2])
+    return qs, per_head, qp, acc, mx, den, np.empty((rows, k), np.int32), np.zeros(24, np.int64)
+
+
+@njit(nogil=True, cache=True)
+def _choose(per_head, candidates, k, shared, chosen):
+    chosen[:, :] = top_blocks(per_head, candidates, k, shared)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _step(q, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, k_base, v_base, k_tail,
+          v_tail, kind, nb_base, n_blocks, n_tokens, scale, perm, lanes, per, sf, ss):
+    # q [Hq, d]; anchors bytes [Hkv, nb_cap, A, row]; candidates [n], fixed [nf] int32;
+    # K/V bytes [Hkv, nb, bs, d*size]; per / sf / ss: parts per head of the scoring, the fixed
+    # blocks and the chosen ones -> out [Hq, d], lse [Hq], chosen [S, k]
+    if not (ids_in_range(candidates.reshape(1, -1), min(n_blocks, anchors.shape[1]))
+            and ids_in_range(fixed.reshape(1, -1), n_blocks)):
+        raise ValueError("block id out of range")
+    hkv, n, nf, ni = k_tail.shape[0], candidates.shape[0], fixed.shape[0], sf + ss
+    qs, per_head, qp, acc, mx, den, chosen, ctr = _prologue(
+        q, anchors, quest, perm_a, n, hkv, perm, scale, hkv * ni, 1 if shared else hkv, k)
+    n_score, n_fixed = hkv * per, hkv * sf
+    n_tasks = n_score + n_fixed + hkv * ss
+    for _lane in prange(lanes):
+        while True:
+            t = fetch_add(ctr, NEXT, 1)
+            if t >= n_tasks:
+                break
+            if t < n_score:
+                j, c = t // per, t % per
+                score_part(qs, anchors, fmt, candidates, c * n // per, (c + 1) * n // per, j,
+                           per_head)
+                if fetch_add(ctr, SCORED, 1) == n_score - 1:  # the last part: choose
+                    _choose(per_head, candidates, k, shared, chosen)
+                    fetch_add(ctr, CHOSEN, 1)
+                continue
+            t -= n_score
+            if t < n_fixed:
+                j, part = t // sf, t % sf
+                ids = fixed[part * nf // sf:(part + 1) * nf // sf]
+                item = j * ni + part
+            else:
+                t -= n_fixed
+                j, part = t // ss, t % ss
+                while load_acquire(ctr, CHOSEN) == 0:
+                    cpu_relax()
+                ids = chosen[0 if shared else j, part * k // ss:(part + 1) * k // ss]
+                item = j * ni + sf + part
+            attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, ids, n_tokens, j,
+                        acc[item], mx[item], den[item])
+    out, lse = merge_items(acc, mx, den, ni, q.shape[0] // hkv, q.shape[1], perm)
+    return out, lse, chosen
+
+
+def _union(fixed: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """Per row of chosen [S, k]: the fixed blocks and the chosen ones, ascending: [S, nf + k]."""
+    return np.sort(np.concatenate(
+        [np.broadcast_to(fixed, (chosen.shape[0], fixed.size)), chosen], axis=1), axis=1)
+
+
+def select_attend(q, anchors, candidates, k, quest, shared, fixed, k_base, v_base, k_tail, v_tail,
+                  nb_base, n_tokens, scale, kv_kind):
+    """One decode step: choose the k best candidates by anchor score and attend to them and to
+    the fixed blocks.
+
+    Returns out [Hq, d] f32, lse [Hq] f32 and chosen [S, min(k, n)] int32 (rows ascending), as
+    `chosen = select_blocks(q, anchors, candidates, k, quest, shared)` and `attend_blocks` over
+    each row's union with `fixed` would. fixed: int32 [nf] ascending, attended by every head,
+    disjoint from the candidates; the other arguments as for those two functions.
+    """
+    q, kv, n_blocks = kv_args(q, k_base, v_base, k_tail, v_tail, nb_base, n_tokens, kv_kind)
+    fixed = readonly(fixed, np.int32)
+    if fixed.ndim != 1:
+        raise ValueError(f"fixed must be 1-D, got {fixed.shape}")
+    hkv, d = k_tail.shape[0], k_tail.shape[3]
+    if anchors.shape[0] != hkv:
+        raise ValueError(f"anchors must have {hkv} KV heads, got {anchors.shape}")
+    candidates = candidate_ids(candidates, anchors, quest)
+    k = min(k, candidates.size)
+    if k == candidates.size or k == 0:  # nothing to score: every candidate or none
+        chosen = select_blocks(q, anchors, candidates, k, quest, shared)
+        out, lse = attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base,
+                                 _union(fixed, chosen), n_tokens, scale, kv_kind)
+        return out, lse, chosen
+    raw, fmt = anchor_bytes(anchors)
+    # parts per head; the scoring and the chosen blocks' items twice as fine as the fixed ones:
+    # the top-k waits for the last scoring part, and the chosen blocks' items end the step
+    # (ad hoc A/Bs at 128K-1M on 2 threads: 0.86-1.00x the time of equal parts)
+    split = items_per_head(hkv)
+    return _step(q, raw, fmt, candidates, bool(quest), k, bool(shared), score_perm(anchors, fmt),
+                 fixed, *kv, kv_kind, nb_base, n_blocks, n_tokens, F32(scale * LOG2E),
+                 channel_perm(d, kv_kind), use_threads(), min(2 * split, candidates.size),
+                 min(split, fixed.size), min(2 * split, k))
+
+
+def select_attend_ref(q, anchors, candidates, k, quest, shared, fixed, k_base, v_base, k_tail,
+                      v_tail, nb_base, n_tokens, scale, kv_kind):
+    """float64 NumPy reference of `select_attend`'s attention, given its choice: the chosen
+    blocks come from `select_blocks` (float32 scores; which blocks win a near-tie in float64 is
+    the reference's own question, tested apart)."""
+    chosen = select_blocks(q, anchors, candidates, k, quest, shared)
+    out, lse = attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base,
+                                 _union(np.asarray(fixed, np.int32), chosen), n_tokens, scale,
+                                 kv_kind)
+    return out, lse, chosen

@@ -1,0 +1,134 @@
+"""select_attend (one decode step's scoring, top-k and attention in one kernel call) against
+select_blocks for the choice and the float64 attention reference for the output. Shapes, GQA
+ratios, block sizes, partial last blocks, base / tail splits, anchor formats, QUEST, SHARED /
+SEPARATE, KV dtypes and thread counts are drawn from seeded generators."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ktlong import kernels as K
+from tests.test_kernels import HEAD_DIMS, KINDS, store
+
+FORMATS = ("F32", "BF16", "Q8")
+
+
+def anchors_of(f, fmt, quest):
+    """float32 anchors [Hkv, nb, A, d] in one of the three stored formats."""
+    if fmt == "Q8":
+        return K.q8_encode(f, quest)
+    return K.f32_to_kv(f, 1) if fmt == "BF16" else f
+
+
+def draw(rng, g, bs, kind, fmt, quest, shared, k=None):
+    """One random step: (args for select_attend)."""
+    hkv = int(rng.integers(1, 4))
+    d = int(rng.choice(HEAD_DIMS))
+    nb = int(rng.integers(3, max(4, 600 // bs) + 1))
+    n_tokens = int(rng.integers((nb - 1) * bs + 1, nb * bs + 1))  # last block often partial
+    nb_base = int(rng.integers(0, nb))
+    kb, vb, kt, vt = store(rng, hkv, nb_base, nb - nb_base + int(rng.integers(0, 3)), bs, d, kind)
+    ids = rng.permutation(nb).astype(np.int32)
+    n_fixed = int(rng.integers(0, nb - 1))  # 0: no init blocks or window (a device takes it)
+    fixed, cand = np.sort(ids[:n_fixed]), ids[n_fixed:]
+    if rng.random() < 0.5:
+        cand = np.sort(cand)  # as the policy hands them; unsorted works too
+    f = rng.standard_normal((hkv, nb + int(rng.integers(0, 3)), 2 if quest else 1, d))
+    f = f.astype(np.float32)
+    if quest:
+        f.sort(axis=2)
+    k = int(rng.integers(1, cand.size)) if k is None and cand.size > 1 else (k or 1)
+    q = rng.standard_normal((hkv * g, d)).astype(np.float32)
+    return (q, anchors_of(f, fmt, quest), cand, k, quest, shared, fixed, kb, vb, kt, vt, nb_base,
+            n_tokens, d ** -0.5, kind)
+
+
+def check(args):
+    out, lse, chosen = K.select_attend(*args)
+    q, anchors, cand, k, quest, shared = args[:6]
+    want_chosen = K.select_blocks(q, anchors, cand, k, quest, shared)
+    np.testing.assert_array_equal(chosen, want_chosen)
+    ref_out, ref_lse, _ = K.select_attend_ref(*args)
+    assert out.dtype == np.float32 and lse.dtype == np.float32 and chosen.dtype == np.int32
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("g", [1, 4, 7])
+@pytest.mark.parametrize("bs", [1, 16, 128])
+def test_select_attend_matches_select_then_attend(kind, fmt, g, bs):
+    rng = np.random.default_rng(1000 * kind + 100 * FORMATS.index(fmt) + 10 * g + bs)
+    for trial in range(4):
+        check(draw(rng, g, bs, kind, fmt, quest=trial == 3, shared=trial % 2 == 0))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shared", [True, False])
+def test_select_attend_on_one_or_two_threads(threads, shared):
+    """One thread runs every task in order (the top-k before any item that needs it); two
+    threads share them. Both equal the two-call result."""
+    rng = np.random.default_rng(7 + threads + 10 * shared)
+    K.configure_threads(threads)
+    try:
+        for _ in range(6):
+            check(draw(rng, 4, 16, 1, "Q8", quest=False, shared=shared))
+    finally:
+        K.configure_threads(0)
+
+
+@pytest.mark.parametrize("k", [0, "all", "more"])
+def test_select_attend_with_nothing_to_choose(k):
+    """k = 0 attends the fixed blocks alone; k >= the candidate count attends every candidate."""
+    rng = np.random.default_rng(3)
+    args = list(draw(rng, 4, 16, 1, "Q8", quest=False, shared=True))
+    n = args[2].size
+    args[3] = {0: 0, "all": n, "more": n + 5}[k]
+    out, lse, chosen = K.select_attend(*args)
+    assert chosen.shape == (1, min(args[3], n))
+    np.testing.assert_array_equal(chosen[0], np.sort(args[2])[:chosen.shape[1]])
+    ref_out, ref_lse, _ = K.select_attend_ref(*args)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_concurrent_steps_from_two_threads():
+    """Two Python threads running select_attend at once (the GPU-overlap pattern): the shared
+    task counter is per call, so results are exact."""
+    rng = np.random.default_rng(4)
+    args = [draw(rng, 4, 16, 1, "Q8", quest=False, shared=True) for _ in range(2)]
+    want = [K.select_attend(*a) for a in args]
+    got = [None, None]
+
+    def run(i):
+        for _ in range(20):
+            got[i] = K.select_attend(*args[i])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w, g, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_select_attend_rejects_bad_input():
+    rng = np.random.default_rng(5)
+    args = list(draw(rng, 4, 16, 1, "Q8", quest=False, shared=True))
+    n_blocks = -(-args[12] // 16)
+    bad = list(args)
+    bad[2] = np.append(args[2], n_blocks).astype(np.int32)  # past the last block
+    with pytest.raises(ValueError, match="out of range"):
+        K.select_attend(*bad)
+    bad = list(args)
+    bad[6] = np.append(args[6], n_blocks + 3).astype(np.int32)
+    with pytest.raises(ValueError, match="out of range"):
+        K.select_attend(*bad)
+    bad = list(args)
+    bad[6] = args[6][None]
+    with pytest.raises(ValueError, match="1-D"):
+        K.select_attend(*bad)
