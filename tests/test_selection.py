@@ -154,3 +154,31 @@ def test_local_window_on_a_device_merges_to_the_single_kernel_result(mode):
     assert worst < 1e-5
     kb, _, first, n = window.buf[0]
     assert first > 0 and n <= kb.shape[1]  # the window moved on and was compacted
+
+
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+@pytest.mark.parametrize("anchor_type", ["MEAN", "QUEST"])
+def test_router_step_reads_what_select_picks(mode, anchor_type):
+    """The router's step is one kernel call (`select_attend`: scoring, top-k and attention). It
+    reads the blocks `policy.select` picks for the same query, and its output equals
+    `attend_blocks` over them."""
+    import torch
+
+    from ktlong import kernels
+    from ktlong.attnmap import SelectionRecorder
+
+    s = _session(anchor_type=anchor_type, anchor_num=2, head_select_mode=mode)
+    n, spec = len(s.tokens), s.lm.spec
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        q = torch.randn(spec.n_heads, 1, spec.head_dim, generator=g)
+        with SelectionRecorder(s.policy) as rec:
+            out = s.router._sparse(0, q, None, None, n - 1, 0.25)  # the token at n - 1
+        (record,) = rec.records
+        qn = q[:, 0].numpy()
+        blocks = s.policy.select(0, qn, n)
+        assert blocks.shape[1] < -(-n // 16)  # a real choice: not every block
+        np.testing.assert_array_equal(record.blocks, blocks)
+        want, _ = kernels.attend_blocks(qn, *s.store.kernel_args(0), blocks, n, 0.25,
+                                        s.store.kv_kind)
+        np.testing.assert_allclose(out[:, 0].numpy(), want, rtol=1e-5, atol=1e-6)
