@@ -1,4 +1,5 @@
-"""Numba kernels for block-sparse decode: anchors, block scores, top-k, attention, query votes.
+"""Numba kernels for block-sparse decode: anchors, block scores, top-k, attention, a whole decode
+step (scores, top-k and attention in one call), query votes.
 
 Imported as `ktlong.kernels`. Importing it (before any kernel compiles):
 - sets OMP_WAIT_POLICY=PASSIVE (unless set) and picks Numba's `omp` threading layer: spinning
