@@ -69,6 +69,8 @@ except OSError:
 try:
     from .anchors import (  # noqa: E402
         Q8_EXTRA,
+        AnchorView,
+        anchor_view,
         anchors_to_f64,
         compute_anchors,
         compute_anchors_ref,
@@ -80,13 +82,16 @@ try:
         topk_blocks_ref,
     )
     from .attention import (  # noqa: E402
+        LayerKV,
         attend_blocks,
         attend_blocks_ref,
+        attend_layer,
+        layer_kv,
         merge_partials,
         merge_partials_ref,
     )
     from .gemv import gemv, gemv_ref  # noqa: E402
-    from .step import select_attend, select_attend_ref  # noqa: E402
+    from .step import select_attend, select_attend_layer, select_attend_ref  # noqa: E402
     from .votes import query_votes, query_votes_ref  # noqa: E402
 finally:
     numba.config.CACHE_DIR = _saved_cache_dir
@@ -97,10 +102,11 @@ from .threads import auto_threads, configure_threads  # noqa: E402
 KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
-    "KV_KINDS", "Q8_EXTRA", "anchors_to_f64", "attend_blocks", "attend_blocks_ref",
-    "auto_threads", "cache_dir", "cache_is_cold", "compute_anchors", "compute_anchors_ref",
-    "configure_threads", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "merge_partials",
-    "merge_partials_ref", "q8_encode", "query_votes", "query_votes_ref", "score_blocks",
-    "score_blocks_ref", "select_attend", "select_attend_ref", "select_blocks", "source_hash",
+    "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "anchor_view", "anchors_to_f64",
+    "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "cache_dir",
+    "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "f32_to_kv",
+    "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "merge_partials", "merge_partials_ref",
+    "q8_encode", "query_votes", "query_votes_ref", "score_blocks", "score_blocks_ref",
+    "select_attend", "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash",
     "topk_blocks", "topk_blocks_ref",
 ]

@@ -17,6 +17,8 @@ Anchor types (anchor_num = A per block):
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit, prange
 
@@ -407,6 +409,21 @@ def anchor_bytes(anchors: np.ndarray, write: bool = False) -> tuple[np.ndarray, 
     return (anchors.view(np.uint8) if write else readonly_bytes(anchors)), fmt
 
 
+class AnchorView(NamedTuple):
+    """A layer's anchors as the scoring kernels read them, made once per anchor array
+    (`anchor_view`; see `LayerKV` for why)."""
+
+    raw: np.ndarray  # read-only bytes [Hkv, nb_cap, A, row]
+    fmt: int
+    perm: np.ndarray  # packed channel order
+    shape: tuple[int, ...]  # of the anchor array
+
+
+def anchor_view(anchors: np.ndarray) -> AnchorView:
+    raw, fmt = anchor_bytes(anchors)
+    return AnchorView(raw, fmt, score_perm(anchors, fmt), anchors.shape)
+
+
 def candidate_ids(candidates, anchors, quest) -> np.ndarray:
     """The candidates as read-only int32 (their range is checked in `_scores`)."""
     candidates = readonly(candidates, np.int32)
@@ -513,11 +530,11 @@ def topk_blocks(scores, candidates, k):
         raise ValueError(f"scores must be [S, {candidates.shape[0]}], got {scores.shape}")
     k = min(k, candidates.shape[0])
     if k == candidates.shape[0] or k == 0:
-        return _all_or_none(candidates, scores.shape[0], k)
+        return all_or_none(candidates, scores.shape[0], k)
     return _topk_rows(scores, candidates, k)
 
 
-def _all_or_none(candidates: np.ndarray, rows: int, k: int) -> np.ndarray:
+def all_or_none(candidates: np.ndarray, rows: int, k: int) -> np.ndarray:
     """The answer when k is 0 or every candidate: [rows, k] int32, ascending."""
     return np.broadcast_to(np.sort(candidates)[:k], (rows, k)).copy()
 
@@ -552,7 +569,7 @@ def select_blocks(q, anchors, candidates, k, quest, shared):
     if k == candidates.size or k == 0:  # no scoring, so the range is checked here
         if not ids_in_range(candidates[None], anchors.shape[1]):
             raise ValueError("candidate block id out of range")
-        return _all_or_none(candidates, 1 if shared else anchors.shape[0], k)
+        return all_or_none(candidates, 1 if shared else anchors.shape[0], k)
     return _select(readonly(q, F32), raw, fmt, candidates, bool(quest),
                    _n_parts(candidates, anchors), score_perm(anchors, fmt), k, bool(shared))
 

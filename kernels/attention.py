@@ -9,6 +9,7 @@ Queries and outputs use the packed channel order of `packed_channels` (see _vec.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -353,6 +354,43 @@ def channel_perm(d: int, kv_kind: int) -> np.ndarray:
     return packed_channels(d, kv_kind)
 
 
+class LayerKV(NamedTuple):
+    """One layer's K/V store as the kernels read it, checked and viewed once (`layer_kv`): after
+    a cache flush each NumPy check or view costs microseconds, and a step would make a dozen.
+    Valid while the four arrays are the ones it was made from (a KV store allocates its arrays
+    once)."""
+
+    k_base: np.ndarray  # read-only bytes [Hkv, nb_base, bs, d * size]
+    v_base: np.ndarray
+    k_tail: np.ndarray  # read-only bytes [Hkv, nb_tail_cap, bs, d * size]
+    v_tail: np.ndarray
+    nb_base: int
+    kv_kind: int
+    hkv: int
+    bs: int
+    d: int
+    perm: np.ndarray  # packed channel order [P]
+
+    def n_blocks(self, n_tokens: int) -> int:
+        """Blocks holding tokens at a context of n_tokens."""
+        return min(self.nb_base + self.k_tail.shape[1], -(-n_tokens // self.bs))
+
+    def query(self, q: np.ndarray) -> np.ndarray:
+        """q [Hq, d] checked against the layer, as read-only float32."""
+        if q.ndim != 2 or q.shape[1] != self.d or q.shape[0] % self.hkv:
+            raise ValueError(f"q must be [Hq, {self.d}] with Hq a multiple of {self.hkv}, "
+                             f"got {q.shape}")
+        return readonly(q, F32)
+
+
+def layer_kv(k_base, v_base, k_tail, v_tail, nb_base, kv_kind) -> LayerKV:
+    """The checked, read-only byte views of a layer's K/V arrays (see `attend_blocks`)."""
+    kv = [kv_bytes(name, a, kv_kind) for name, a in
+          (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail))]
+    hkv, _, bs, d = k_tail.shape
+    return LayerKV(*kv, nb_base, kv_kind, hkv, bs, d, channel_perm(d, kv_kind))
+
+
 def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
     """Exact attention of one query token over the listed blocks.
 
@@ -361,25 +399,19 @@ def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, 
     ascending, no repeats. Returns out [Hq, d] f32 and lse [Hq] f32 (natural log of the summed
     exp(scale * q.k); -inf and out 0 for a head with no tokens).
     """
-    q, kv, n_blocks = kv_args(q, k_base, v_base, k_tail, v_tail, nb_base, n_tokens, kv_kind)
-    hkv, d = k_tail.shape[0], k_tail.shape[3]
+    return attend_layer(layer_kv(k_base, v_base, k_tail, v_tail, nb_base, kv_kind), q, blocks,
+                        n_tokens, scale)
+
+
+def attend_layer(kv: LayerKV, q, blocks, n_tokens, scale):
+    """`attend_blocks` over a layer's prepared views."""
+    q = kv.query(q)
     blocks = readonly(blocks, np.int32)
-    if blocks.ndim != 2 or blocks.shape[0] not in (1, hkv):
-        raise ValueError(f"blocks must be [1 or {hkv}, n], got {blocks.shape}")
-    n_split = max(1, min(items_per_head(hkv), blocks.shape[1]))
-    return _attend(q, *kv, kv_kind, nb_base, blocks, n_blocks, n_tokens, n_split,
-                   F32(scale * LOG2E), channel_perm(d, kv_kind))
-
-
-def kv_args(q, k_base, v_base, k_tail, v_tail, nb_base, n_tokens, kv_kind):
-    """Checked kernel arguments: q read-only f32 [Hq, d], the four K/V arrays as read-only bytes,
-    and the number of blocks holding tokens."""
-    kv = [kv_bytes(name, a, kv_kind) for name, a in
-          (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail))]
-    hkv, _, bs, d = k_tail.shape
-    if q.ndim != 2 or q.shape[1] != d or q.shape[0] % hkv:
-        raise ValueError(f"q must be [Hq, {d}] with Hq a multiple of {hkv}, got {q.shape}")
-    return readonly(q, F32), kv, min(nb_base + k_tail.shape[1], -(-n_tokens // bs))
+    if blocks.ndim != 2 or blocks.shape[0] not in (1, kv.hkv):
+        raise ValueError(f"blocks must be [1 or {kv.hkv}, n], got {blocks.shape}")
+    n_split = max(1, min(items_per_head(kv.hkv), blocks.shape[1]))
+    return _attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, kv.nb_base, blocks,
+                   kv.n_blocks(n_tokens), n_tokens, n_split, F32(scale * LOG2E), kv.perm)
 
 
 def items_per_head(hkv: int) -> int:

@@ -21,22 +21,23 @@ from numba import njit, prange
 from ._simd import F32, LOG2E, readonly
 from ._vec import cpu_relax, fetch_add, load_acquire
 from .anchors import (
-    anchor_bytes,
+    AnchorView,
+    all_or_none,
+    anchor_view,
     candidate_ids,
     score_part,
-    score_perm,
     score_prep,
     select_blocks,
     top_blocks,
 )
 from .attention import (
-    attend_blocks,
+    LayerKV,
     attend_blocks_ref,
     attend_item,
-    channel_perm,
+    attend_layer,
     ids_in_range,
     items_per_head,
-    kv_args,
+    layer_kv,
     merge_items,
     pack_rows,
     softmax_state,
@@ -122,29 +123,36 @@ def select_attend(q, anchors, candidates, k, quest, shared, fixed, k_base, v_bas
     each row's union with `fixed` would. fixed: int32 [nf] ascending, attended by every head,
     disjoint from the candidates; the other arguments as for those two functions.
     """
-    q, kv, n_blocks = kv_args(q, k_base, v_base, k_tail, v_tail, nb_base, n_tokens, kv_kind)
+    return select_attend_layer(layer_kv(k_base, v_base, k_tail, v_tail, nb_base, kv_kind),
+                               anchor_view(anchors), q, candidates, k, quest, shared, fixed,
+                               n_tokens, scale)
+
+
+def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, shared, fixed,
+                        n_tokens, scale):
+    """`select_attend` over a layer's prepared K/V and anchor views."""
+    q = kv.query(q)
     fixed = readonly(fixed, np.int32)
     if fixed.ndim != 1:
         raise ValueError(f"fixed must be 1-D, got {fixed.shape}")
-    hkv, d = k_tail.shape[0], k_tail.shape[3]
-    if anchors.shape[0] != hkv:
-        raise ValueError(f"anchors must have {hkv} KV heads, got {anchors.shape}")
-    candidates = candidate_ids(candidates, anchors, quest)
+    if av.shape[0] != kv.hkv:
+        raise ValueError(f"anchors must have {kv.hkv} KV heads, got {av.shape}")
+    candidates = candidate_ids(candidates, av, quest)
     k = min(k, candidates.size)
     if k == candidates.size or k == 0:  # nothing to score: every candidate or none
-        chosen = select_blocks(q, anchors, candidates, k, quest, shared)
-        out, lse = attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base,
-                                 _union(fixed, chosen), n_tokens, scale, kv_kind)
+        if not ids_in_range(candidates[None], av.shape[1]):
+            raise ValueError("candidate block id out of range")
+        chosen = all_or_none(candidates, 1 if shared else kv.hkv, k)
+        out, lse = attend_layer(kv, q, _union(fixed, chosen), n_tokens, scale)
         return out, lse, chosen
-    raw, fmt = anchor_bytes(anchors)
     # parts per head; the scoring and the chosen blocks' items twice as fine as the fixed ones:
     # the top-k waits for the last scoring part, and the chosen blocks' items end the step
-    # (ad hoc A/Bs at 128K-1M on 2 threads: 0.86-1.00x the time of equal parts)
-    split = items_per_head(hkv)
-    return _step(q, raw, fmt, candidates, bool(quest), k, bool(shared), score_perm(anchors, fmt),
-                 fixed, *kv, kv_kind, nb_base, n_blocks, n_tokens, F32(scale * LOG2E),
-                 channel_perm(d, kv_kind), use_threads(), min(2 * split, candidates.size),
-                 min(split, fixed.size), min(2 * split, k))
+    # (ad hoc A/Bs at 128K-1M on 2 threads: equal parts took 1.00-1.16x the time)
+    split = items_per_head(kv.hkv)
+    return _step(q, av.raw, av.fmt, candidates, bool(quest), k, bool(shared), av.perm, fixed,
+                 kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, kv.nb_base,
+                 kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm, use_threads(),
+                 min(2 * split, candidates.size), min(split, fixed.size), min(2 * split, k))
 
 
 def select_attend_ref(q, anchors, candidates, k, quest, shared, fixed, k_base, v_base, k_tail,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ktlong import kernels
 from ktlong.errors import KtlongError
 from ktlong.kernels import Q8_EXTRA
 
@@ -118,6 +119,7 @@ class KVStore:
             np.zeros((H, self.nb_cap, shape.anchor_num, d + Q8_EXTRA), np.uint8) for _ in range(L)
         ]
         self.n_anchored = [0] * L  # blocks [0, n_anchored) have anchors
+        self._views: list[tuple[kernels.LayerKV, kernels.AnchorView] | None] = [None] * L
         if base_anchors is not None:
             for layer, a in enumerate(base_anchors):
                 self.anchors[layer][:, : a.shape[1]] = a
@@ -211,6 +213,17 @@ class KVStore:
         if len(kt) == 1:
             return kt[0], vt[0]
         return torch.cat(kt, dim=1), torch.cat(vt, dim=1)
+
+    def kernel_views(self, layer: int) -> tuple[kernels.LayerKV, kernels.AnchorView]:
+        """The layer's K/V and anchors as the kernels read them, made on first use (the arrays
+        never change, so neither do they): a decode step skips a dozen NumPy checks and views."""
+        views = self._views[layer]
+        if views is None:
+            views = self._views[layer] = (
+                kernels.layer_kv(*self.kernel_args(layer), self.kv_kind),
+                kernels.anchor_view(self.anchors[layer]),
+            )
+        return views
 
     def kernel_args(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
         """(k_base, v_base, k_tail, v_tail, nb_base) for `ktlong.kernels`."""

@@ -133,18 +133,16 @@ class SelectionPolicy:
         """Exact attention on the CPU over the step's blocks (without the local window when
         `local` is False): out `[Hq, d]`, lse `[Hq]`. A step that chooses afresh scores, takes
         the top-k and attends in one kernel call, and is committed here."""
-        kv = self.store.kernel_args(step.layer)  # (k_base, v_base, k_tail, v_tail, nb_base)
-        kind = self.store.kv_kind
+        kv, anchors = self.store.kernel_views(step.layer)
         end = step.nb if local else step.local0
         if step.candidates is None:
             self.commit(step)
-            return kernels.attend_blocks(step.q, *kv, step.blocks(end), step.n_tokens, scale,
-                                         kind)
+            return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
         fixed = np.concatenate([np.arange(step.n_init, dtype=np.int32),
                                 np.arange(step.local0, end, dtype=np.int32)])
-        out, lse, chosen = kernels.select_attend(
-            step.q, self.store.anchors[step.layer], step.candidates, step.k,
-            self.s.anchor_type == "QUEST", self.shared, fixed, *kv, step.n_tokens, scale, kind)
+        out, lse, chosen = kernels.select_attend_layer(
+            kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
+            self.shared, fixed, step.n_tokens, scale)
         self.commit(step, chosen)
         return out, lse
 

@@ -132,3 +132,22 @@ def test_select_attend_rejects_bad_input():
     bad[6] = args[6][None]
     with pytest.raises(ValueError, match="1-D"):
         K.select_attend(*bad)
+
+
+def test_prepared_views_follow_writes_to_their_arrays():
+    """`layer_kv` / `anchor_view` are made once per layer (the KV store keeps them): they view
+    the arrays, so tokens and anchors written in place later are read by the next step."""
+    rng = np.random.default_rng(8)
+    args = list(draw(rng, 4, 16, 1, "Q8", quest=False, shared=True))
+    q, anchors, cand, k, quest, shared, fixed, kb, vb, kt, vt, nb_base, n_tokens, scale, kind = args
+    kv = K.layer_kv(kb, vb, kt, vt, nb_base, kind)
+    av = K.anchor_view(anchors)
+    for _ in range(2):
+        got = K.select_attend_layer(kv, av, q, cand, k, quest, shared, fixed, n_tokens, scale)
+        want = K.select_attend(*args)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        kt[...] = K.f32_to_kv(rng.standard_normal(kt.shape).astype(np.float32), kind)
+        vt[...] = K.f32_to_kv(rng.standard_normal(vt.shape).astype(np.float32), kind)
+        f = rng.standard_normal((anchors.shape[0], anchors.shape[1], 1, kt.shape[3]))
+        anchors[...] = K.q8_encode(f.astype(np.float32), False)

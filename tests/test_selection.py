@@ -169,6 +169,7 @@ def test_router_step_reads_what_select_picks(mode, anchor_type):
 
     s = _session(anchor_type=anchor_type, anchor_num=2, head_select_mode=mode)
     n, spec = len(s.tokens), s.lm.spec
+    assert s.store.kernel_views(0) is s.store.kernel_views(0)  # made once per layer
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         q = torch.randn(spec.n_heads, 1, spec.head_dim, generator=g)

@@ -132,6 +132,9 @@ class _Context:
                             .view(torch.bfloat16)[:, :n] for x in (self.k, self.v))  # [Hkv, n, d]
         self.qt = torch.from_numpy(q).to(torch.bfloat16)
         self.empty = np.empty((HKV, 0, BLOCK, HEAD_DIM), np.uint16)
+        # the views a KV store makes once per layer (KVStore.kernel_views)
+        self.kv = kernels.layer_kv(self.empty, self.empty, self.k, self.v, 0, 1)
+        self.an_view, self.an_bf16_view = (kernels.anchor_view(a) for a in (self.an, self.an_bf16))
         self.every = np.arange(nb, dtype=np.int32)[None]
         self.scale = HEAD_DIM ** -0.5
 
@@ -139,30 +142,28 @@ class _Context:
         return _select(self.kernels, self.q, self.an, self.n)
 
     def sparse(self) -> None:
-        self._step(self.an)
+        self._step(self.an_view)
 
     def sparse_bf16(self) -> None:
-        self._step(self.an_bf16)
+        self._step(self.an_bf16_view)
 
-    def _step(self, anchors: np.ndarray) -> None:
+    def _step(self, anchors) -> None:
         """One decode step as the engine runs it: one `select_attend` call (scoring, top-k and
         the attention over init, chosen and local blocks), or every block when the budget covers
-        them."""
+        them, on the layer's prepared views."""
         nb = self.every.shape[1]
         init_end, local0 = _candidates(self.n)
         if init_end == local0:
-            self.kernels.attend_blocks(self.q, self.empty, self.empty, self.k, self.v, 0,
-                                       self.every, self.n, self.scale, 1)
+            self.kernels.attend_layer(self.kv, self.q, self.every, self.n, self.scale)
             return
         fixed = np.concatenate([np.arange(init_end, dtype=np.int32),
                                 np.arange(local0, nb, dtype=np.int32)])
-        self.kernels.select_attend(self.q, anchors, np.arange(init_end, local0, dtype=np.int32),
-                                   SELECT, anchors.shape[2] == 2, True, fixed, self.empty,
-                                   self.empty, self.k, self.v, 0, self.n, self.scale, 1)
+        self.kernels.select_attend_layer(
+            self.kv, anchors, self.q, np.arange(init_end, local0, dtype=np.int32), SELECT,
+            anchors.shape[2] == 2, True, fixed, self.n, self.scale)
 
     def dense(self) -> None:
-        self.kernels.attend_blocks(self.q, self.empty, self.empty, self.k, self.v, 0,
-                                   self.every, self.n, self.scale, 1)
+        self.kernels.attend_layer(self.kv, self.q, self.every, self.n, self.scale)
 
     def dense_matmul(self) -> None:  # grouped: [Hkv, g, d] @ [Hkv, d, n]
         import torch
