@@ -425,7 +425,8 @@ def anchor_view(anchors: np.ndarray) -> AnchorView:
 
 
 def candidate_ids(candidates, anchors, quest) -> np.ndarray:
-    """The candidates as read-only int32 (their range is checked in `_scores`)."""
+    """The candidates as read-only int32 (their range is checked in the kernels); `anchors` (an
+    array or its AnchorView) for its shape."""
     candidates = readonly(candidates, np.int32)
     if candidates.ndim != 1:
         raise ValueError(f"candidates must be 1-D, got {candidates.shape}")

@@ -59,6 +59,7 @@ def _prologue(q, anchors, quest, perm_a, n, hkv, perm, scale, n_items, rows, k):
 
 @njit(nogil=True, cache=True)
 def _choose(per_head, candidates, k, shared, chosen):
+    """The top-k of the per-head scores [Hkv, n] into chosen [S, k]."""
     chosen[:, :] = top_blocks(per_head, candidates, k, shared)
 
 
