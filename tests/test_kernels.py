@@ -119,23 +119,28 @@ def test_merge_with_empty_parts():
     np.testing.assert_array_equal(m_lse, [0.5, 1.0, -np.inf])
 
 
-def test_concurrent_launches_from_two_threads():
-    """Two Python threads running kernels at once (the GPU-overlap pattern) get exact results."""
-    rng = np.random.default_rng(4)
-    args = [draw(rng, 4, 16, 1, shared=True) for _ in range(2)]
-    want = [K.attend_blocks(*a) for a in args]
-    got = [None, None]
+def check_concurrent(fn, args):
+    """fn(*a) for each a in args, each from its own Python thread, 20 times at once (the
+    GPU-overlap pattern), returns exactly what one call alone returns."""
+    want = [fn(*a) for a in args]
+    got = [None] * len(args)
 
     def run(i):
         for _ in range(20):
-            got[i] = K.attend_blocks(*args[i])
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            got[i] = fn(*args[i])
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(args))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for w, g in zip(want, got, strict=True):
-        np.testing.assert_array_equal(w[0], g[0])
+        for a, b in zip(w, g, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_concurrent_launches_from_two_threads():
+    rng = np.random.default_rng(4)
+    check_concurrent(K.attend_blocks, [draw(rng, 4, 16, 1, shared=True) for _ in range(2)])
 
 
 def test_memory_mapped_base_uses_the_same_compiled_kernel(tmp_path):

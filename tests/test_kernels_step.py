@@ -4,13 +4,11 @@ ratios, block sizes, partial last blocks, base / tail splits, anchor formats, QU
 SEPARATE, KV dtypes and thread counts are drawn from seeded generators."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from ktlong import kernels as K
-from tests.test_kernels import HEAD_DIMS, KINDS, store
+from tests.test_kernels import HEAD_DIMS, KINDS, check_concurrent, store
 
 FORMATS = ("F32", "BF16", "Q8")
 
@@ -96,24 +94,10 @@ def test_select_attend_with_nothing_to_choose(k):
 
 
 def test_concurrent_steps_from_two_threads():
-    """Two Python threads running select_attend at once (the GPU-overlap pattern): the shared
-    task counter is per call, so results are exact."""
+    """The task counter is per call: two Python threads stepping at once get exact results."""
     rng = np.random.default_rng(4)
-    args = [draw(rng, 4, 16, 1, "Q8", quest=False, shared=True) for _ in range(2)]
-    want = [K.select_attend(*a) for a in args]
-    got = [None, None]
-
-    def run(i):
-        for _ in range(20):
-            got[i] = K.select_attend(*args[i])
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for w, g in zip(want, got, strict=True):
-        for a, b in zip(w, g, strict=True):
-            np.testing.assert_array_equal(a, b)
+    check_concurrent(K.select_attend,
+                     [draw(rng, 4, 16, 1, "Q8", quest=False, shared=True) for _ in range(2)])
 
 
 def test_select_attend_rejects_bad_input():
