@@ -129,8 +129,9 @@ def vstore(typingctx, arr, r, c, v):
 
 
 def _masked_load(builder, ptr, first, n, vty):
-    """Load a vector of type vty from ptr; lanes with first + lane >= n read as 0 (not touched)."""
-    lim = builder.trunc(builder.sub(n, first), _I32)
+    """Load a vector of type vty from ptr; lanes with first + lane >= n read as 0 (not touched).
+    A whole vector (first + W <= n, the common case) is a plain load."""
+    lim = lim_n = builder.trunc(builder.sub(n, first), _I32)
     ivec = ir.VectorType(_I32, W)
     lim = builder.insert_element(ir.Constant(ivec, None), lim, ir.Constant(_I32, 0))
     lim = builder.shuffle_vector(lim, lim, ir.Constant(ivec, None))
@@ -141,7 +142,18 @@ def _masked_load(builder, ptr, first, n, vty):
     fn = cgutils.get_or_insert_function(builder.module, fnty,
                                         f"llvm.masked.load.v{W}{sfx}.p0v{W}{sfx}")
     vptr = builder.bitcast(ptr, vty.as_pointer())
-    return builder.call(fn, [vptr, ir.Constant(_I32, 2), mask, ir.Constant(vty, None)])
+    full = builder.icmp_signed(">=", lim_n, ir.Constant(_I32, W))
+    with builder.if_else(full, likely=True) as (then, otherwise):
+        with then:
+            plain = builder.load(vptr, align=1 if vty.element == ir.IntType(8) else 2)  # no mask
+            b_plain = builder.basic_block
+        with otherwise:
+            masked = builder.call(fn, [vptr, ir.Constant(_I32, 2), mask, ir.Constant(vty, None)])
+            b_masked = builder.basic_block
+    out = builder.phi(vty)
+    out.add_incoming(plain, b_plain)
+    out.add_incoming(masked, b_masked)
+    return out
 
 
 @intrinsic

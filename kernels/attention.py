@@ -51,6 +51,31 @@ def _prefetch_lines(pf, r0, r1, lo, hi):
             prefetch(pf[i] + line * 64)
 
 
+@njit(inline="always", cache=True)
+def _next_rows(pf, t, p1):
+    """Addresses of the next chunk's rows t..t+3 (zeros unless all 4 exist: p1 == t + 4)."""
+    if p1 == t + 4:
+        return pf[t], pf[t + 1], pf[t + 2], pf[t + 3]
+    return 0, 0, 0, 0
+
+
+@njit(inline="always", cache=True)
+def _prefetch_group(pf, t, p1, f, lo, hi):
+    """Prefetch lines lo..hi-1 of the next chunk's rows t..p1-1: for a whole tile (addresses f)
+    in straight-line code, since a loop over the rows costs about as many instructions as the
+    tile's loads and FMAs (ad hoc, warm: 5-12% more rows a second; cold 0.97-0.98x the time);
+    else row by row."""
+    if p1 == t + 4:
+        for line in range(lo, hi):
+            o = line * 64
+            prefetch(f[0] + o)
+            prefetch(f[1] + o)
+            prefetch(f[2] + o)
+            prefetch(f[3] + o)
+    else:
+        _prefetch_lines(pf, t, p1, lo, hi)
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
     """s[r, i] = qp[r] . K row i for rows i < nt (row i at address ra[i], d channels, tag's dtype).
@@ -73,12 +98,13 @@ def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
             _prefetch_lines(pf, t, p1, lpg * ng, nl)
         last = nt - 1
         k0, k1, k2, k3 = ra[t], ra[min(t + 1, last)], ra[min(t + 2, last)], ra[min(t + 3, last)]
+        f = _next_rows(pf, t, p1)
         for h in range(0, qp.shape[0], 4):
             a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzero()
             a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = vzero()
             p1h = p1 if h == 0 else t  # once per tile, not per group of 4 heads
             for gi in range(ng):
-                _prefetch_lines(pf, t, p1h, gi * lpg, gi * lpg + lpg)
+                _prefetch_group(pf, t, p1h, f, gi * lpg, gi * lpg + lpg)
                 c = gi * 2 * W
                 e0, o0 = vload2(tag, k0, d, gi)
                 e1, o1 = vload2(tag, k1, d, gi)
@@ -129,6 +155,7 @@ def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
             _prefetch_lines(pf, t, p1, lpg * ng, nl)
         last = nt - 1
         v0, v1, v2, v3 = rv[t], rv[min(t + 1, last)], rv[min(t + 2, last)], rv[min(t + 3, last)]
+        f = _next_rows(pf, t, p1)
         for h in range(0, acc.shape[0], 4):
             p00, p01, p02, p03 = vsplat4(s, h, t)
             p10, p11, p12, p13 = vsplat4(s, h + 1, t)
@@ -136,7 +163,7 @@ def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
             p30, p31, p32, p33 = vsplat4(s, h + 3, t)
             p1h = p1 if h == 0 else t  # once per tile, not per group of 4 heads
             for gi in range(ng):
-                _prefetch_lines(pf, t, p1h, gi * lpg, gi * lpg + lpg)
+                _prefetch_group(pf, t, p1h, f, gi * lpg, gi * lpg + lpg)
                 c = gi * 2 * W
                 e0, o0 = vload2(tag, v0, d, gi)
                 e1, o1 = vload2(tag, v1, d, gi)
