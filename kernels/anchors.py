@@ -457,10 +457,10 @@ def score_blocks(q, anchors, candidates, quest, shared):
     summed over all heads (shared) or over each KV head's group. anchors [Hkv, nb_cap, A, row] in
     any anchor format.
     """
-    raw, fmt = anchor_bytes(anchors)
+    av = anchor_view(anchors)
     candidates = candidate_ids(candidates, anchors, quest)
-    per_head = _scores(readonly(q, F32), raw, fmt, candidates, bool(quest),
-                       _n_parts(candidates, anchors), score_perm(anchors, fmt))
+    per_head = _scores(readonly(q, F32), av.raw, av.fmt, candidates, bool(quest),
+                       _n_parts(candidates, anchors), av.perm)
     return per_head.sum(0, keepdims=True) if shared else per_head  # [S, n]
 
 
@@ -531,11 +531,11 @@ def topk_blocks(scores, candidates, k):
         raise ValueError(f"scores must be [S, {candidates.shape[0]}], got {scores.shape}")
     k = min(k, candidates.shape[0])
     if k == candidates.shape[0] or k == 0:
-        return all_or_none(candidates, scores.shape[0], k)
+        return _all_or_none(candidates, scores.shape[0], k)
     return _topk_rows(scores, candidates, k)
 
 
-def all_or_none(candidates: np.ndarray, rows: int, k: int) -> np.ndarray:
+def _all_or_none(candidates: np.ndarray, rows: int, k: int) -> np.ndarray:
     """The answer when k is 0 or every candidate: [rows, k] int32, ascending."""
     return np.broadcast_to(np.sort(candidates)[:k], (rows, k)).copy()
 
@@ -564,15 +564,21 @@ def select_blocks(q, anchors, candidates, k, quest, shared):
     """`topk_blocks(score_blocks(q, anchors, candidates, quest, shared), candidates, k)` in one
     kernel call: the selection a decode step makes, with no NumPy calls between its parts
     (after a cache flush, each costs tens of microseconds)."""
-    raw, fmt = anchor_bytes(anchors)
+    av = anchor_view(anchors)
     candidates = candidate_ids(candidates, anchors, quest)
     k = min(k, candidates.size)
-    if k == candidates.size or k == 0:  # no scoring, so the range is checked here
-        if not ids_in_range(candidates[None], anchors.shape[1]):
-            raise ValueError("candidate block id out of range")
-        return all_or_none(candidates, 1 if shared else anchors.shape[0], k)
-    return _select(readonly(q, F32), raw, fmt, candidates, bool(quest),
-                   _n_parts(candidates, anchors), score_perm(anchors, fmt), k, bool(shared))
+    if k == candidates.size or k == 0:
+        return unscored_choice(candidates, av, k, shared)
+    return _select(readonly(q, F32), av.raw, av.fmt, candidates, bool(quest),
+                   _n_parts(candidates, anchors), av.perm, k, bool(shared))
+
+
+def unscored_choice(candidates, av: AnchorView, k: int, shared: bool) -> np.ndarray:
+    """The choice when k is 0 or covers every candidate: [S, k] int32, no scoring (so the
+    candidates' range is checked here)."""
+    if not ids_in_range(candidates[None], av.shape[1]):
+        raise ValueError("candidate block id out of range")
+    return _all_or_none(candidates, 1 if shared else av.shape[0], k)
 
 
 def topk_blocks_ref(scores, candidates, k):

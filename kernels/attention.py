@@ -63,7 +63,7 @@ def _next_rows(pf, t, p1):
 def _prefetch_group(pf, t, p1, f, lo, hi):
     """Prefetch lines lo..hi-1 of the next chunk's rows t..p1-1: for a whole tile (addresses f)
     in straight-line code, since a loop over the rows costs about as many instructions as the
-    tile's loads and FMAs (ad hoc, warm: 5-12% more rows a second; cold 0.97-0.98x the time);
+    tile's loads and FMAs (ad hoc, warm: 4-11% more rows a second; cold 0.96-0.98x the time);
     else row by row."""
     if p1 == t + 4:
         for line in range(lo, hi):

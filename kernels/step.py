@@ -22,13 +22,13 @@ from ._simd import F32, LOG2E, readonly
 from ._vec import cpu_relax, fetch_add, load_acquire
 from .anchors import (
     AnchorView,
-    all_or_none,
     anchor_view,
     candidate_ids,
     score_part,
     score_prep,
     select_blocks,
     top_blocks,
+    unscored_choice,
 )
 from .attention import (
     LayerKV,
@@ -141,9 +141,7 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
     candidates = candidate_ids(candidates, av, quest)
     k = min(k, candidates.size)
     if k == candidates.size or k == 0:  # nothing to score: every candidate or none
-        if not ids_in_range(candidates[None], av.shape[1]):
-            raise ValueError("candidate block id out of range")
-        chosen = all_or_none(candidates, 1 if shared else kv.hkv, k)
+        chosen = unscored_choice(candidates, av, k, shared)
         out, lse = attend_layer(kv, q, _union(fixed, chosen), n_tokens, scale)
         return out, lse, chosen
     # parts per head; the scoring and the chosen blocks' items twice as fine as the fixed ones:

@@ -39,13 +39,18 @@ class Step:
     k: int = 0
     group: int = 0
 
+    def fixed(self, end: int) -> np.ndarray:
+        """`[nf]` int32: the init blocks and the local window's up to `end`, ascending."""
+        return np.concatenate([np.arange(self.n_init, dtype=np.int32),
+                               np.arange(self.local0, end, dtype=np.int32)])
+
     def blocks(self, end: int | None = None) -> np.ndarray:
-        """`[S, n]` int32: init, chosen and local blocks up to `end` (default: all)."""
-        S = self.chosen.shape[0]
-        init = np.broadcast_to(np.arange(self.n_init, dtype=np.int32), (S, self.n_init))
-        hi = self.nb if end is None else end
-        local = np.broadcast_to(np.arange(self.local0, hi, dtype=np.int32), (S, hi - self.local0))
-        return np.ascontiguousarray(np.concatenate([init, self.chosen, local], axis=1))
+        """`[S, n]` int32: init, chosen and local blocks up to `end` (default: all), ascending."""
+        fixed = self.fixed(self.nb if end is None else end)
+        S, n = self.chosen.shape[0], self.n_init
+        return np.ascontiguousarray(np.concatenate(
+            [np.broadcast_to(fixed[:n], (S, n)), self.chosen,
+             np.broadcast_to(fixed[n:], (S, fixed.size - n))], axis=1))
 
 
 class SelectionPolicy:
@@ -138,11 +143,9 @@ class SelectionPolicy:
         if step.candidates is None:
             self.commit(step)
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
-        fixed = np.concatenate([np.arange(step.n_init, dtype=np.int32),
-                                np.arange(step.local0, end, dtype=np.int32)])
         out, lse, chosen = kernels.select_attend_layer(
             kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
-            self.shared, fixed, step.n_tokens, scale)
+            self.shared, step.fixed(end), step.n_tokens, scale)
         self.commit(step, chosen)
         return out, lse
 
