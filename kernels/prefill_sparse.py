@@ -209,6 +209,36 @@ def topk_sorted(x: np.ndarray, k: int) -> np.ndarray:
     return np.sort(idx, axis=1).astype(np.int32)
 
 
+@njit(cache=True)
+def _positions(r_off, r_cnt, ranges, c_off, c_cnt, cols, h, out, cnt):
+    """Count (out None-like: 0 columns) or fill head h's key positions per query block."""
+    for b in range(r_cnt.shape[1]):
+        n = 0
+        for ri in range(r_off[h, b], r_off[h, b] + r_cnt[h, b]):
+            for t in range(ranges[ri, 0], ranges[ri, 1]):
+                if out.shape[1]:
+                    out[b, n] = t
+                n += 1
+        for ci in range(c_off[h, b], c_off[h, b] + c_cnt[h, b]):
+            if out.shape[1]:
+                out[b, n] = cols[ci]
+            n += 1
+        cnt[b] = n
+
+
+def index_positions(index: PrefillIndex, h: int) -> tuple[np.ndarray, np.ndarray]:
+    """Head h's key positions per query block: (pos [nqb, P] int64, zero-padded to the
+    longest block; counts [nqb]). Ranges first, then columns (not sorted across the two)."""
+    nqb = index.r_cnt.shape[1]
+    args = (index.r_off, index.r_cnt, np.ascontiguousarray(index.ranges, np.int32), index.c_off,
+            index.c_cnt, np.ascontiguousarray(index.cols, np.int32), h)
+    cnt = np.zeros(nqb, np.int64)
+    _positions(*args, np.zeros((nqb, 0), np.int64), cnt)
+    out = np.zeros((nqb, max(1, int(cnt.max(initial=0)))), np.int64)
+    _positions(*args, out, cnt)
+    return out, cnt
+
+
 # --- KV rows ------------------------------------------------------------------------------------
 @njit(inline="always", cache=True)
 def _row(k_base, k_tail, nb_base, j, t):

@@ -5,11 +5,14 @@ flight (we pass no transformers Cache, so nothing else keeps K,V). The router ap
 KVStore and computes attention from the store:
 - dense: chunk queries against the layer's whole past, tiled with an online softmax, so no
   `[L, context]` matrix ever exists; on CUDA the current layer's KV is mirrored on the device;
+  `prefill` WINDOW reads init_len + prefill_window of it, MINFERENCE each head's sparse pattern
+  (ktlong.minference);
 - sparse: per token, the selection policy picks blocks and a Numba kernel attends to them.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from ktlong.kvstore import KV_TYPES, KVStore
+from ktlong.minference import ChunkAttention
 from ktlong.model import ATTN_IMPLEMENTATION
 
 TILE_ELEMS = 1 << 24  # max floats in one [Hkv, g*L, T] score tile (64 MB)
@@ -68,8 +72,11 @@ class AttentionRouter:
         policy: Any,
         device: torch.device,
         local_device: torch.device | None = None,
+        chunk_attention: ChunkAttention | None = None,
     ) -> None:
         self.store, self.policy, self.device = store, policy, device
+        self.chunk_attention = chunk_attention  # MINFERENCE prefill: per-head sparse patterns
+        self.attn_s = 0.0  # seconds in prefill attention (dense or sparse) since begin()
         # decode: the local window attends on this device (the GPU) while the CPU kernel reads
         # the init + selected blocks; the two partial results merge by log-sum-exp
         self.local = LocalWindow(store, local_device) if local_device is not None else None
@@ -83,6 +90,11 @@ class AttentionRouter:
         """Start a forward over `total` new tokens."""
         self.sparse, self.capture, self.captured = sparse, capture, {}
         self._dev_layer, self._dev_kv, self._total = -1, None, total
+        self.attn_s = 0.0
+        if self.chunk_attention is not None:
+            fresh = ChunkAttention(self.chunk_attention.plan)  # no pooled keys yet
+            fresh.dense_below = self.chunk_attention.dense_below
+            self.chunk_attention = fresh
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -99,7 +111,29 @@ class AttentionRouter:
             return self._sparse(layer, q, k, v, start, scale)
         if self.device.type == "cuda":
             self._mirror(layer, k, v, start)
-        return self._dense(layer, q, start, scale)
+        t0 = time.perf_counter()
+        ca = self.chunk_attention
+        if ca is not None and q.shape[1] > 1 and start + q.shape[1] > ca.dense_below:
+            out = self._minference(layer, q, start, scale)
+        else:
+            out = self._dense(layer, q, start, scale)
+        self.attn_s += time.perf_counter() - t0
+        return out
+
+    def _minference(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        """Each head's sparse pattern (index built on the CPU; attention by the Numba kernel, or
+        by plain torch over the layer's device mirror on CUDA)."""
+        from ktlong.minference import attend_chunk_torch, build_index
+
+        ca = self.chunk_attention
+        kv = self.store.kernel_views(layer)[0]
+        qn = q.detach().float().cpu().numpy()  # [Hq, L, d]
+        if self._dev_kv is None or self._dev_layer != layer:
+            return torch.from_numpy(ca.attend(layer, kv, qn, start, scale)).to(q.device)
+        n = start + q.shape[1]
+        index = build_index(ca.plan.layers[layer], kv, qn, start, scale, ca._pooled(layer, kv, n))
+        dk, dv = self._dev_kv
+        return attend_chunk_torch(q, dk[:, :n], dv[:, :n], start, index, scale)
 
     # --- dense: tiled online softmax over the store (or its device mirror) --------------------
     def _tile(self, layer: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +166,7 @@ class AttentionRouter:
         a model never sees a distance much beyond W + chunk while it reads the document)."""
         s = self.policy.s
         w, init = s.prefill_window, min(s.init_len, start)
-        if w <= 0 or start - w <= init:
+        if s.prefill != "WINDOW" or w <= 0 or start - w <= init:
             return [(0, start)]
         return [(0, init), (start - w, start)] if init else [(start - w, start)]
 

@@ -35,8 +35,8 @@ ModelOpt = Annotated[Path | None, typer.Option(
     help="Model: a Hugging Face folder (config.json + *.safetensors) or a .gguf file.")]
 ProfileOpt = Annotated[str | None, typer.Option(
     "--profile", "-p", metavar="NAME|PATH", show_default=False,
-    help="Settings profile: default, dense, quest, snapkv, infllm, streamingllm, kvretrieval, "
-         "one in $KTLONG_HOME/profiles, or a .yaml path.")]
+    help="Settings profile: default, dense, minference, quest, snapkv, infllm, streamingllm, "
+         "kvretrieval, one in $KTLONG_HOME/profiles, or a .yaml path.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", "-s", metavar="KEY=VALUE", show_default=False,

@@ -99,9 +99,20 @@ class Settings:
     layer_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N layers", 1)
     gpu_local_window: bool = _f("bool", True, "sparse attention", "Attend to the local window on "
                                 "the GPU when there is one")
-    prefill_window: int = _f("int", 12288, "sparse attention", "Past tokens each prompt token "
+    # prefill (how a document's tokens attend while it is read)
+    prefill: str = _f("enum", "WINDOW", "prefill", "DENSE: every earlier token (exact); WINDOW: "
+                      "init_len + prefill_window tokens; MINFERENCE: per-head sparse patterns "
+                      "(MInference)", choices=("DENSE", "WINDOW", "MINFERENCE"))
+    prefill_window: int = _f("int", 12288, "prefill", "WINDOW: past tokens each prompt token "
                              "attends while a document is read, besides init_len; 0 = all "
                              "(exact)", 0)
+    prefill_vertical: int = _f("int", 1024, "prefill", "MINFERENCE: key columns per head "
+                               "without a tuned pattern (Vertical-Slash)", 0)
+    prefill_slash: int = _f("int", 2048, "prefill", "MINFERENCE: diagonals per head without a "
+                            "tuned pattern (Vertical-Slash)", 1)
+    prefill_patterns: str = _f("str", "", "prefill", "MINFERENCE: pattern file of `ktlong tune "
+                               "prefill`; empty = the model's tuned file if any, else every head "
+                               "Vertical-Slash")
     # preselection (SnapKV-style, once per question)
     preselect_block: bool = _f("bool", False, "preselection", "Preselect blocks once per "
                                "question; decode picks only among them")

@@ -116,7 +116,12 @@ class Session:
             step = self.policy.budget_blocks() * self.store.block_bytes * spec.n_layers
             self.store.map_cap = max(self.store.map_cap, 2 * step)
         local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
-        self.router = AttentionRouter(self.store, self.policy, lm.device, local)
+        chunk_attention = None
+        if settings.prefill == "MINFERENCE":
+            from ktlong.minference import ChunkAttention, resolve_plan
+
+            chunk_attention = ChunkAttention(resolve_plan(spec, settings))
+        self.router = AttentionRouter(self.store, self.policy, lm.device, local, chunk_attention)
         self.stats = Stats()
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
         self.threads = 0  # in effect; set before each prefill and generate

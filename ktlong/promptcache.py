@@ -34,6 +34,7 @@ from ktlong.engine import Progress, Session, check_fits
 from ktlong.errors import KtlongError
 from ktlong.kernels import Q8_EXTRA, kv_to_f64, q8_encode
 from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, from_storage, to_storage
+from ktlong.minference import prefill_key
 from ktlong.model import LoadedModel, ModelSpec
 
 MAGIC = b"KTLONGKV"
@@ -73,8 +74,7 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "rope_scaling": spec.rope_scaling,
         "shape": [spec.n_layers, spec.n_kv_heads, spec.head_dim],
     }
-    if settings.prefill_window:  # a windowed prefill makes other KV (0 keeps older keys valid)
-        key.update(prefill_window=settings.prefill_window, init_len=settings.init_len)
+    key.update(prefill_key(spec, settings))  # a windowed or sparse prefill makes other KV
     return key
 
 

@@ -130,7 +130,7 @@ def test_fused_and_tiled_prefill_attention_agree():
     g = torch.Generator().manual_seed(0)
     store.write(0, torch.randn(Hkv, past, d, generator=g), torch.randn(Hkv, past, d, generator=g))
     store.write(0, torch.randn(Hkv, chunk, d, generator=g), torch.randn(Hkv, chunk, d, generator=g))
-    exact = SimpleNamespace(s=SimpleNamespace(prefill_window=0, init_len=0))  # a policy
+    exact = SimpleNamespace(s=SimpleNamespace(prefill="DENSE", prefill_window=0, init_len=0))
     router = att.AttentionRouter(store, exact, torch.device("cpu"))
     q = torch.randn(Hq, chunk, d, generator=g)
     old = att.PAST_SEGMENT_ELEMS
@@ -160,7 +160,8 @@ def test_windowed_prefill_attends_init_and_the_last_window(window, init):
     k = torch.randn(Hkv, past + chunk, d, generator=g)
     v = torch.randn(Hkv, past + chunk, d, generator=g)
     store.write(0, k, v)
-    policy = SimpleNamespace(s=SimpleNamespace(prefill_window=window, init_len=init))
+    policy = SimpleNamespace(
+        s=SimpleNamespace(prefill="WINDOW", prefill_window=window, init_len=init))
     router = att.AttentionRouter(store, policy, torch.device("cpu"))
     q = torch.randn(Hq, chunk, d, generator=g)
     kpos, qpos = torch.arange(past + chunk), past + torch.arange(chunk)

@@ -220,3 +220,13 @@ def test_bad_index_is_refused():
     bad = index._replace(ranges=index.ranges + 10_000)
     with pytest.raises(ValueError, match="out of range"):
         ps.sparse_attend(kv, q, 200, bad, 0.1)
+
+
+def test_index_positions():
+    rng = np.random.default_rng(9)
+    _, _, parts = vs_parts(rng, 3, 400, 250, 150)
+    index = ps.pack_index([np.arange(3)], [parts], 3, 3)
+    for h in range(3):
+        pos, cnt = ps.index_positions(index, h)
+        for b in range(3):
+            np.testing.assert_array_equal(np.sort(pos[b, : cnt[b]]), index.keys(h, b))

@@ -4,11 +4,11 @@ Each document (ktlong.demo.tasks.make_mixed) hides one pass key, several key-val
 needle; sample i of n puts the asked facts at depths (i + 0.5) / n, shifted by a third per task,
 so every (length, task) cell covers the depths evenly. The three questions are asked one at a time
 after the document, exactly as `ktlong chat` asks them: Conversation renders the prompt, the
-document is prefilled (chunked; exact, or windowed under a profile's prefill_window), and each
+document is prefilled (chunked; exact, windowed or sparse as the profile's `prefill` says), and each
 question is appended to it.
 
 Selection settings do not change the KV cache, so the document is prefilled once per distinct
-prefill (prefill_window and, with one, init_len) and its K, V copied into a fresh store per profile
+prefill (`prefill` and the keys of its mode) and its K, V copied into a fresh store per profile
 (block_size and anchor_num set each profile's layout). Each profile then sees what a chat under it
 would see: its anchors come from the vote of the document's last queries (DYNAMIC), its
 preselection from the question's; answers are greedy.
@@ -48,9 +48,17 @@ def depths_for(i: int, n: int) -> dict[str, float]:
     return {t: (base + j / len(tasks.TASKS)) % 1.0 for j, t in enumerate(tasks.TASKS)}
 
 
-def _prefill_key(st: Any) -> tuple[int, int]:
-    """What of a profile's settings changes the document's KV: (prefill_window, init_len)."""
-    return (st.prefill_window, st.init_len if st.prefill_window else 0)
+PREFILL_KEYS = ("prefill", "prefill_window", "init_len", "prefill_vertical", "prefill_slash",
+                "prefill_patterns")
+
+
+def _prefill_key(st: Any) -> tuple[Any, ...]:
+    """What of a profile's settings changes the document's KV (`prefill` and its own keys)."""
+    if st.prefill == "WINDOW" and st.prefill_window:
+        return ("WINDOW", st.prefill_window, st.init_len)
+    if st.prefill == "MINFERENCE":
+        return ("MINFERENCE", st.prefill_vertical, st.prefill_slash, st.prefill_patterns)
+    return ("DENSE",)
 
 
 def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
@@ -90,9 +98,7 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
         for st in per.values():
             key = _prefill_key(st)
             if key not in bases:
-                over = {**common, "prefill_window": key[0]}
-                if key[0]:
-                    over["init_len"] = key[1]
+                over = {**common, **{k: getattr(st, k) for k in PREFILL_KEYS}}
                 bases[key] = resolve_settings("dense", over, config_file=False).settings
         for i in range(samples):
             t0 = time.perf_counter()
