@@ -402,6 +402,18 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                       help="Context lengths, comma-separated (K and M suffixes allowed).")]
                   = "8192,32768",
                   model: ModelOpt = None,
+                  modes: Annotated[str, typer.Option(
+                      help="ktlong prefill modes to compare, comma-separated: dense, window, "
+                           "minference.")] = "dense",
+                  shape: Annotated[str, typer.Option(
+                      help="Random model without --model: small (4 layers, hidden 512) or 8b "
+                           "(Llama-3-8B widths, 2 layers).")] = "small",
+                  sample_chunks: Annotated[int, typer.Option(
+                      min=0, help="Time only this many chunks per context, spread evenly, over "
+                                  "random K, V, and scale up (0 = prefill everything).")] = 0,
+                  transformers: Annotated[bool, typer.Option(
+                      "--transformers/--no-transformers",
+                      help="Also time transformers' one-shot forward.")] = True,
                   threads: Annotated[int, typer.Option(
                       "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
                   chunk_sizes: Annotated[str, typer.Option(
@@ -409,11 +421,24 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                            "(default: the size ktlong prefills with on the CPU).")]
                   = str(CHUNK_AUTO[False]),
                   as_json: JsonOpt = False) -> None:
-    """Prefill tok/s and peak RSS: ktlong's chunked prefill against transformers' forward."""
+    """Prefill tok/s, attention time and peak RSS per prefill mode, and against transformers."""
     from ktlong.bench import prefill
 
+    names = tuple(m.strip().lower() for m in modes.split(",") if m.strip())
+    bad = [m for m in names if m not in prefill.MODES] + (
+        [] if shape in prefill.SHAPES else [f"shape {shape}"])
+    if bad or not names:
+        raise KtlongError(f"--modes {modes!r} / --shape {shape!r}: unknown {', '.join(bad)}",
+                          hint=f"modes: {', '.join(prefill.MODES)}; shapes: "
+                               f"{', '.join(prefill.SHAPES)}")
     chunks = tuple(_lengths(chunk_sizes, "--chunk-sizes"))
-    prefill.main(_lengths(contexts), threads, as_json, model, chunks)
+    command = (f"ktlong bench prefill --contexts {contexts} --modes {','.join(names)}"
+               f"{f' --model {model}' if model else f' --shape {shape}'}"
+               f"{f' --sample-chunks {sample_chunks}' if sample_chunks else ''}"
+               f"{'' if transformers else ' --no-transformers'}"
+               f"{f' -t {threads}' if threads else ''} --chunk-sizes {chunk_sizes}")
+    prefill.main(_lengths(contexts), threads, as_json, model, chunks, names, transformers, shape,
+                 sample_chunks, command)
 
 
 @bench_app.command("accuracy")

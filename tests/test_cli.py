@@ -264,20 +264,29 @@ def test_bench_decode_passes_parsed_options(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(calls) == 2
 
 
-def test_bench_prefill_passes_chunk_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_prefill_passes_chunk_sizes_and_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
     fake = types.ModuleType("ktlong.bench.prefill")
     fake.main = lambda *a: calls.append(a)  # type: ignore[attr-defined]
+    fake.MODES = ("dense", "window", "minference")  # type: ignore[attr-defined]
+    fake.SHAPES = {"small": {}, "8b": {}}  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "ktlong.bench.prefill", fake)
     import ktlong.bench
 
     monkeypatch.setattr(ktlong.bench, "prefill", fake, raising=False)
     r = run("bench", "prefill", "--contexts", "16K", "--chunk-sizes", "512,1K", "-t", "1")
     assert r.exit_code == 0, r.output
-    assert calls == [([16384], 1, False, None, (512, 1024))]
+    assert calls[0][:8] == ([16384], 1, False, None, (512, 1024), ("dense",), True, "small")
     r = run("bench", "prefill", "--contexts", "8K")  # default: the chunk ktlong uses on the CPU
     assert r.exit_code == 0, r.output
-    assert calls[-1][-1] == (CHUNK_AUTO[False],)
+    assert calls[-1][4] == (CHUNK_AUTO[False],)
+    r = run("bench", "prefill", "--modes", "Dense,minference", "--shape", "8b",
+            "--sample-chunks", "3", "--no-transformers")
+    assert r.exit_code == 0, r.output
+    assert calls[-1][5:9] == (("dense", "minference"), False, "8b", 3)
+    assert "--sample-chunks 3" in calls[-1][9]
     r = run("bench", "prefill", "--chunk-sizes", "0")
     assert r.exit_code == 2 and "--chunk-sizes '0'" in r.stderr
-    assert len(calls) == 2
+    r = run("bench", "prefill", "--modes", "dense,sparse")
+    assert r.exit_code == 2 and "unknown sparse" in r.stderr
+    assert len(calls) == 3

@@ -1,9 +1,17 @@
-"""`ktlong bench prefill`: ktlong's chunked prefill vs transformers' one-shot forward.
+"""`ktlong bench prefill`: ktlong's chunked prefill per prefill mode (dense, window, minference),
+and against transformers' one-shot forward.
 
-Each measurement runs in a fresh subprocess so its peak RSS is its own; runtimes are interleaved
-per context length. The model is a small random Llama built locally (no downloads). ktlong runs
-once per `--chunk-sizes` entry, so chunk sizes compare side by side (speed and peak RSS). Both
-prefill exactly (`prefill_window` 0): the same attention, so the times compare like with like.
+Each measurement runs in a fresh subprocess so its peak RSS is its own; runs are interleaved per
+context length. The model is a small random Llama built locally (`--shape small`, no downloads),
+a random Llama of Llama-3-8B's widths with 2 layers (`--shape 8b`), or `--model`. Reported per
+run: whole-prefill seconds and tok/s, and the part spent in attention (for minference also the
+part spent estimating patterns and building indexes). Compiled kernels are loaded before timing.
+
+`--sample-chunks S` (for shapes too slow to prefill whole): instead of every chunk, S chunks at
+the middle of S equal spans of the context are prefilled, each after the store was filled with
+random K, V (N(0, 1), BF16) up to its start; every figure is the sampled chunks' mean times the
+number of chunks. Prefill cost per chunk is linear in its start (dense) or flatter (window,
+minference), so the midpoint rule estimates a linear cost exactly.
 """
 
 from __future__ import annotations
@@ -19,10 +27,52 @@ from typing import Any
 from ktlong.bench.rss import peak_rss
 from ktlong.config import CHUNK_AUTO
 
-BENCH_SHAPE = dict(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1408)
+SHAPES = {
+    "small": dict(layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1408),
+    # Llama-3-8B's widths (GQA 32/8, head_dim 128), 2 layers
+    "8b": dict(layers=2, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336),
+}
+BENCH_SHAPE = SHAPES["small"]
+MODES = ("dense", "window", "minference")
 
 
-def _worker(runtime: str, model: str, n: int, threads: int, chunk: int) -> dict[str, Any]:
+def _warm(kv_kind: int) -> None:
+    """Load (or compile) the sparse prefill kernels for this KV type before timing."""
+    import numpy as np
+
+    from ktlong import kernels
+    from ktlong.kernels import prefill_sparse as ps
+
+    z = np.zeros((1, 4, 64, 32), np.float32)
+    k = kernels.f32_to_kv(z, kv_kind)
+    kv = kernels.layer_kv(k[:, :0], k[:, :0], k, k.copy(), 0, kv_kind)
+    q = np.zeros((1, 64, 32), np.float32)
+    ps.sparse_attend(kv, q, 0, ps.dense_index(1, 0, 64), 1.0)
+    ps.vs_estimate(kv, q, np.zeros(1, np.int64), 64, 1.0)
+    ps.pool_keys(kv, 0, 1, 64)
+    ps.vs_index(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), 0, 64)
+    ps.block_index(np.zeros((1, 1, 1), np.float32), 0, 64, 1)
+
+
+def _fill_random(sess: Any, upto: int, seed: int) -> None:
+    """Append random K, V to every layer of the store up to `upto` tokens (sampled runs)."""
+    import torch
+
+    store = sess.store
+    have = store.length()
+    if upto <= have:
+        return
+    sh = store.shape
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(sh.n_layers):
+        for t0 in range(have, upto, 8192):
+            n = min(upto, t0 + 8192) - t0
+            store.write(layer, torch.randn(sh.n_kv_heads, n, sh.head_dim, generator=g),
+                        torch.randn(sh.n_kv_heads, n, sh.head_dim, generator=g))
+
+
+def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: int
+            ) -> dict[str, Any]:
     import dataclasses
 
     import torch
@@ -32,23 +82,44 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int) -> dict[
     from ktlong.tinymodel import filler_text
 
     torch.set_num_threads(threads)
-    lm = load_model(model, device="CPU", dtype="float32")
+    lm = load_model(model, device="CPU")
     ids = lm.tokenizer(filler_text(n, seed=0))["input_ids"][:n]
     assert len(ids) == n, "filler text too short"
-    if runtime == "ktlong":
+    row: dict[str, Any] = {"runtime": runtime, "context": n, "chunk_size": chunk,
+                           "sampled_chunks": sample}
+    if runtime.startswith("ktlong"):
+        from ktlong import kernels
         from ktlong.engine import Session
 
-        st = dataclasses.replace(
-            Settings(),
-            attention="DENSE",
-            prefill_window=0,
-            kv_type="BF16",
-            chunk_size=chunk,
-            max_seq_len=n + 16,
-            threads_num=threads,
-        )
-        t0 = time.perf_counter()  # imports done, as for transformers below
-        Session(lm, st).prefill(ids)
+        mode = runtime.split("-", 1)[1].upper()
+        st = dataclasses.replace(Settings(), attention="DENSE", prefill=mode, kv_type="BF16",
+                                 chunk_size=chunk, max_seq_len=n + 16, threads_num=threads)
+        kernels.configure_threads(threads)
+        _warm(1)
+        sess = Session(lm, st)
+        ca = sess.router.chunk_attention
+        attn = index = 0.0
+        if not sample:
+            t0 = time.perf_counter()  # imports done, as for transformers below
+            sess.prefill(ids)
+            dt = time.perf_counter() - t0
+            attn = sess.router.attn_s
+            index = sess.router.chunk_attention.index_s if ca is not None else 0.0
+        else:
+            n_chunks = -(-n // chunk)
+            picks = [int((i + 0.5) * n_chunks / sample) for i in range(sample)]
+            dt = 0.0
+            for c in picks:
+                _fill_random(sess, c * chunk, seed=c)
+                sess.tokens = list(ids[: c * chunk])  # the random K, V stand for these
+                t0 = time.perf_counter()
+                sess.prefill(ids[c * chunk: (c + 1) * chunk])
+                dt += time.perf_counter() - t0
+                attn += sess.router.attn_s
+                index += sess.router.chunk_attention.index_s if ca is not None else 0.0
+            f = n_chunks / sample
+            dt, attn, index = dt * f, attn * f, index * f
+        row.update(prefill=mode.lower(), attention_s=attn, index_s=index)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -56,20 +127,16 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int) -> dict[
         t0 = time.perf_counter()
         with torch.inference_mode():
             stock(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-    dt = time.perf_counter() - t0
-    rss = peak_rss()
-    return {
-        "runtime": runtime,
-        "context": n,
-        "chunk_size": chunk if runtime == "ktlong" else None,
-        "prefill_s": dt,
-        "prefill_tok_s": n / dt,
-        "peak_rss_bytes": rss,
-    }
+        dt = time.perf_counter() - t0
+        row.update(prefill="dense", attention_s=None, index_s=None)
+    row.update(prefill_s=dt, prefill_tok_s=n / dt, peak_rss_bytes=peak_rss())
+    return row
 
 
 def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None,
-         chunk_sizes: tuple[int, ...] = (CHUNK_AUTO[False],)) -> None:
+         chunk_sizes: tuple[int, ...] = (CHUNK_AUTO[False],), modes: tuple[str, ...] = ("dense",),
+         transformers: bool = True, shape: str = "small", sample: int = 0,
+         command: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -77,47 +144,52 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
 
     threads = threads or __import__("os").cpu_count() or 1
     tmp = None
+    dims = SHAPES[shape]
     if model is None:
         tmp = tempfile.TemporaryDirectory(prefix="ktlong-bench-")
-        model = make_model(
-            Path(tmp.name) / "model", "llama", max_positions=max(contexts) * 2, **BENCH_SHAPE
-        )
+        model = make_model(Path(tmp.name) / "model", "llama", dtype="bfloat16",
+                           max_positions=max(contexts) * 2, **dims)
+    runs = [(f"ktlong-{m}", c) for m in modes for c in chunk_sizes]
+    runs += [("transformers", 0)] if transformers else []
     rows = []
     for n in contexts:
-        for runtime, chunk in [("ktlong", c) for c in chunk_sizes] + [("transformers", 0)]:
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "ktlong.bench.prefill",
-                    runtime,
-                    str(model),
-                    str(n),
-                    str(threads),
-                    str(chunk),
-                ],
-                capture_output=True,
-                text=True,
-            )
+        for runtime, chunk in runs:
+            args = [sys.executable, "-m", "ktlong.bench.prefill", runtime, str(model), str(n),
+                    str(threads), str(chunk), str(sample if runtime != "transformers" else 0)]
+            out = subprocess.run(args, capture_output=True, text=True)
             if out.returncode != 0:
-                raise RuntimeError(f"{runtime} at {n}: {out.stderr.strip().splitlines()[-1]}")
+                lines = out.stderr.strip().splitlines() or ["(no output)"]
+                raise RuntimeError(f"{runtime} at {n}: {lines[-1]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for r in rows:  # speed against the dense prefill of the same context and chunk
+        base = [b for b in rows if b["context"] == r["context"] and b["runtime"] == "ktlong-dense"
+                and b["chunk_size"] == r["chunk_size"]]
+        r["vs_dense"] = r["prefill_tok_s"] / base[0]["prefill_tok_s"] if base else None
+    label = f"model {model}" if tmp is None else f"random Llama {dims}"
     if as_json:
-        print(json.dumps({"threads": threads, "model": BENCH_SHAPE, "rows": rows}))
+        print(json.dumps({"threads": threads, "model": label, "sampled_chunks": sample,
+                          "command": command, "rows": rows}))
         return
-    table = Table(title=f"prefill, {threads} threads, random Llama {BENCH_SHAPE}")
-    for col in ("context", "runtime", "tok/s", "seconds", "peak RSS (GB)"):
+    title = f"prefill, {threads} threads, {label}" + (
+        f"; {sample} sampled chunks per context" if sample else "")
+    table = Table(title=title)
+    for col in ("context", "runtime", "tok/s", "seconds", "attention s", "index s", "x dense",
+                "peak RSS (GB)"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r['context']:,}",
-            r["runtime"] + (f" (chunk {r['chunk_size']})" if r["chunk_size"] else ""),
+            r["runtime"] + (f" (chunk {r['chunk_size']})" if len(chunk_sizes) > 1
+                            and r["chunk_size"] else ""),
             f"{r['prefill_tok_s']:.0f}",
             f"{r['prefill_s']:.1f}",
+            "" if r["attention_s"] is None else f"{r['attention_s']:.1f}",
+            f"{r['index_s']:.1f}" if r["index_s"] else "",
+            "" if r["vs_dense"] is None else f"{r['vs_dense']:.2f}",
             f"{r['peak_rss_bytes'] / 1e9:.2f}",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 110)).print(table)
 
 
-if __name__ == "__main__":  # a worker: python -m ktlong.bench.prefill RUNTIME MODEL N THREADS CHUNK
-    print(json.dumps(_worker(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6]))))
+if __name__ == "__main__":  # a worker: python -m ktlong.bench.prefill RUNTIME MODEL N THREADS
+    print(json.dumps(_worker(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]))))  # CHUNK SAMPLE
