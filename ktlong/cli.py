@@ -108,8 +108,10 @@ app = typer.Typer(name="ktlong", cls=_Group, no_args_is_help=True, add_completio
 inspect_app = typer.Typer(no_args_is_help=True,
                           help="Show settings, models, prompt caches, what sparse attention reads.")
 bench_app = typer.Typer(no_args_is_help=True, help="Measure speed and accuracy.")
+tune_app = typer.Typer(no_args_is_help=True, help="Fit settings to a model, offline.")
 app.add_typer(inspect_app, name="inspect")
 app.add_typer(bench_app, name="bench")
+app.add_typer(tune_app, name="tune")
 
 
 def _version(value: bool) -> None:
@@ -365,6 +367,40 @@ def inspect_cache(remove: Annotated[list[str] | None, typer.Option(
         render.print_json({"entries": rows, "removed": removed})
     else:
         render.cache_entries(rows, removed)
+
+
+# --- tune -------------------------------------------------------------------------------------
+@tune_app.command("prefill")
+def tune_prefill(model: ModelOpt = None,
+                 prompt_file: Annotated[str | None, typer.Option(
+                     "--prompt-file", "-f", metavar="FILE", show_default=False,
+                     help="A sample document like yours (default: a generated demo document).")]
+                 = None,
+                 tokens: Annotated[str, typer.Option(
+                     help="Tokens of the sample to use (K suffix allowed).")] = "16K",
+                 budget: Annotated[int, typer.Option(
+                     min=0, help="Keys a query may read, the same for every candidate "
+                                   "(default: prefill_vertical + prefill_slash).")] = 0,
+                 queries: Annotated[int, typer.Option(
+                     min=64, help="Last queries of the sample whose exact attention is "
+                                  "compared.")] = 1024,
+                 out: Annotated[Path | None, typer.Option(
+                     "--out", metavar="FILE", show_default=False,
+                     help="Write here instead of next to the model's settings "
+                          "(KTLONG_HOME/patterns).")] = None,
+                 profile: ProfileOpt = None, sets: SetOpt = None, threads: ThreadsOpt = None,
+                 as_json: JsonOpt = False) -> None:
+    """Choose each attention head's sparse prefill pattern (MInference) for a model.
+
+    Prefills a sample exactly, then keeps per head the pattern (A-shape, Vertical-Slash or
+    Block-Sparse, each at about --budget keys a query) that keeps most of the exact attention.
+    `prefill: minference` then uses the file for this model.
+    """
+    from ktlong.tune import main as tune_main
+
+    st = resolve(profile, sets, threads_num=threads).settings
+    tune_main(model, prompt_file, st, _lengths(tokens, "--tokens")[0],
+              budget or st.prefill_vertical + st.prefill_slash, queries, out, as_json)
 
 
 # --- bench --------------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ class Session:
         self.stats = Stats()
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
         self.threads = 0  # in effect; set before each prefill and generate
+        self.capture_queries = 0  # keep at least this many last prompt queries per layer
 
     def _set_threads(self) -> None:
         """`threads_num`, or with 0 the cores idle right now (kernels/threads.py: a thread on
@@ -153,6 +154,7 @@ class Session:
         start, n = len(self.tokens), len(ids)
         chunk = n if sparse and n == 1 else st.chunk_size or CHUNK_AUTO[dev.type == "cuda"]
         capture = st.preselect_window if n > 1 and self.policy.wants_votes() else 0
+        capture = max(capture, self.capture_queries if n > 1 else 0)
         self.router.begin(sparse=sparse, capture=min(capture, n), total=n)
         bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
         with torch.inference_mode():
