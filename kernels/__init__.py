@@ -1,6 +1,6 @@
 """Numba kernels for block-sparse decode: anchors, block scores, top-k, attention, a whole decode
-step (scores, top-k and attention in one call), query votes; and sparse prefill attention
-(`prefill_sparse`: MInference's per-head patterns).
+step (scores, top-k and attention in one call), query votes; sparse prefill attention
+(`prefill_sparse`: MInference's per-head patterns); GEMV over 16-bit and GGUF-quantised weights.
 
 Imported as `ktlong.kernels`. Importing it (before any kernel compiles):
 - sets OMP_WAIT_POLICY=PASSIVE (unless set) and picks Numba's `omp` threading layer: spinning
@@ -93,6 +93,7 @@ try:
         merge_partials_ref,
     )
     from .gemv import gemv, gemv_ref  # noqa: E402
+    from .qlinear import dequant, dequant_rows, qgemv, qgemv_ref  # noqa: E402
     from .step import select_attend, select_attend_layer, select_attend_ref  # noqa: E402
     from .votes import query_votes, query_votes_ref  # noqa: E402
 finally:
@@ -106,10 +107,9 @@ KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 __all__ = [
     "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "anchor_view", "anchors_to_f64",
     "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "cache_dir",
-    "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "f32_to_kv",
-    "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "merge_partials", "merge_partials_ref",
-    "prefill_sparse",
-    "q8_encode", "query_votes", "query_votes_ref", "score_blocks", "score_blocks_ref",
-    "select_attend", "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash",
-    "topk_blocks", "topk_blocks_ref",
+    "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
+    "dequant_rows", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "merge_partials",
+    "merge_partials_ref", "prefill_sparse", "q8_encode", "qgemv", "qgemv_ref", "query_votes",
+    "query_votes_ref", "score_blocks", "score_blocks_ref", "select_attend", "select_attend_layer",
+    "select_attend_ref", "select_blocks", "source_hash", "topk_blocks", "topk_blocks_ref",
 ]

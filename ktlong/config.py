@@ -72,7 +72,8 @@ class Settings:
     device: str = _f("enum", "AUTO", "runtime", "Where the model runs; AUTO uses CUDA if present",
                      choices=("AUTO", "CPU", "CUDA"))
     weight_type: str = _f("enum", "AUTO", "runtime", "Linear weights on the CPU (activations "
-                          "stay FP32); AUTO keeps a 16-bit checkpoint's type, FP32 ones stay FP32",
+                          "stay FP32); AUTO keeps the checkpoint's own types: a GGUF file's "
+                          "quantised tensors are read in place, a 16-bit checkpoint stays 16-bit",
                           choices=("AUTO", "BF16", "FP16", "FP32"))
     threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
                           "idle when a prefill or an answer starts", 0)

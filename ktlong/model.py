@@ -1,8 +1,8 @@
 """Model files: read a model's shape without its weights, and load it through transformers.
 
-Two formats: a Hugging Face folder (config.json + *.safetensors) and a GGUF file (dequantised by
-transformers through the `gguf` package). Both go through the same transformers model classes, so
-prefill and decode never need per-architecture code.
+Two formats: a Hugging Face folder (config.json + *.safetensors) and a GGUF file, whose tensors
+stay quantised in the memory-mapped file on the CPU (ktlong/ggufload.py). Both go through the same
+transformers model classes, so prefill and decode never need per-architecture code.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ktlong import quant
 from ktlong.errors import KtlongError
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -42,7 +43,7 @@ class ModelSpec:
     max_positions: int
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    weights_bytes: int  # once loaded on the CPU (a quantised GGUF tensor is held as BF16)
+    weights_bytes: int  # once loaded on the CPU (a GGUF file's tensors as they are in the file)
     n_params: int
     weight_types: dict[str, int] = field(default_factory=dict)  # dtype / quant type -> tensor count
     has_chat_template: bool = False
@@ -210,9 +211,6 @@ def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
     return v
 
 
-_GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-
-
 def _read_gguf_spec(path: Path) -> ModelSpec:
     import gguf  # light: numpy only
 
@@ -235,9 +233,10 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
     n_bytes = n_params = 0
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-        # what the loader holds: float tensors as stored, quantised ones widened to BF16
-        plain = t.tensor_type.name in _GGUF_FLOAT_TYPES
-        n_bytes += int(t.n_bytes) if plain else 2 * int(t.n_elements)
+        # what the loader holds: the file's bytes (memory-mapped), or BF16 for a type the
+        # kernels do not read (widened on load)
+        kept = t.tensor_type.name in quant.TYPES
+        n_bytes += int(t.n_bytes) if kept else 2 * int(t.n_elements)
         n_params += int(t.n_elements)
     rope_scaling = None
     if key("rope.scaling.type") not in (None, "none"):
@@ -291,7 +290,8 @@ class LoadedModel:
     spec: ModelSpec
     device: Any  # torch.device the weights live on
     eos_ids: tuple[int, ...]
-    weight_type: str = ""  # what the linear layers hold: BF16 | FP16 | FP32
+    weight_type: str = ""  # what the linear layers hold: BF16 | FP16 | FP32 | GGUF <types>
+    warnings: list[str] = field(default_factory=list)  # e.g. tensors widened on load
 
 
 def _complete_gguf_tokenizer(tokenizer: Any, path: str) -> None:
@@ -391,17 +391,27 @@ def load_model(
         load_dtype = compute = getattr(torch, dtype or default)
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         config.sliding_window = None  # ktlong attends the whole context; the store has no window
+    in_file = spec.format == "gguf" and dev.type == "cpu" and weight_type == "AUTO"
+    warnings: list[str] = []
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=load_dtype, attn_implementation=ATTN_IMPLEMENTATION, **kw
-        )
+        if in_file:  # tensors stay quantised in the mapped file
+            from ktlong.ggufload import load_quantised
+
+            model, warnings = load_quantised(spec.path, config, compute, ATTN_IMPLEMENTATION)
+            half = None
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, config=config, dtype=load_dtype, attn_implementation=ATTN_IMPLEMENTATION,
+                **kw)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
     except (OSError, ValueError) as e:
         raise KtlongError(f"could not load {spec.path}: {str(e).splitlines()[0]}") from None
     if spec.format == "gguf":
         _complete_gguf_tokenizer(tokenizer, spec.path)
     model.eval().requires_grad_(False)
-    if half:
+    if in_file:
+        model.to(compute)  # norms and biases; the quantised tensors stay in the file
+    elif half:
         from ktlong.weights import compact
 
         compact(model, getattr(torch, half), compute)
@@ -416,7 +426,21 @@ def load_model(
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids += (tokenizer.eos_token_id,)
     names = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}
+    held = names.get(getattr(torch, half) if half else compute, str(compute))
+    if in_file:
+        held = _file_types(model)
     return LoadedModel(
         model=model, tokenizer=tokenizer, spec=spec, device=dev, eos_ids=eos_ids,
-        weight_type=names.get(getattr(torch, half) if half else compute, str(compute)),
+        weight_type=held, warnings=warnings,
     )
+
+
+def _file_types(model: Any) -> str:
+    """'GGUF Q4_K+Q6_K': the types the linear layers read from the file, most used first."""
+    from ktlong.weights import QuantLinear
+
+    count: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            count[mod.qt.name] = count.get(mod.qt.name, 0) + 1
+    return "GGUF " + "+".join(sorted(count, key=lambda t: -count[t]))

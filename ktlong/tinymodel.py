@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ktlong import quant
+
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
@@ -150,7 +152,8 @@ def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32") -> Path:
     """Export an HF folder written by `make_model` to one GGUF file.
 
-    `tensor_type` is one of F32, F16, BF16, Q8_0, Q4_0 for the 2-D weights; norms stay F32.
+    `tensor_type` is F32, F16, BF16 or a type ktlong.quant quantises (Q8_0, Q4_0, Q4_K, Q5_K,
+    Q6_K) for the 2-D weights; norms stay F32.
     """
     import gguf
     from safetensors.torch import load_file
@@ -212,7 +215,7 @@ def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32
         elif qtype == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, t.astype(np.float16))
         else:
-            q = gguf.quants.quantize(t, qtype)
+            q = quant.quantize(t, tensor_type)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,4 +1,5 @@
-"""16-bit weights on the CPU: linear layers and the embedding table kept in BF16 or FP16.
+"""Weights on the CPU kept as stored: 16-bit (BF16/FP16) or GGUF-quantised linear layers and
+embedding tables.
 
 A one-token forward reads every weight once, so decode on the CPU is bound by weight traffic.
 `compact` swaps a loaded model's linear layers (and its embedding table) for modules that keep the
@@ -7,17 +8,20 @@ A one-token forward reads every weight once, so decode on the CPU is bound by we
 - more rows (prefill): the weight is widened a block of rows at a time into a reused 4 MB scratch
   and multiplied by torch (a compute-bound GEMM, where the widening costs little).
 Activations stay in the model's compute dtype (float32 on the CPU).
+`QuantLinear` / `QuantEmbedding` do the same over a GGUF tensor's bytes in the memory-mapped file
+(kernels/qlinear.py): decode reads the quantised bytes once, prefill dequantises tiles of rows.
 """
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ktlong import kernels
+from ktlong import kernels, quant
 
 KINDS = {torch.bfloat16: kernels.KV_KINDS["BF16"], torch.float16: kernels.KV_KINDS["FP16"]}
 SCRATCH_FLOATS = 1 << 20  # float32 elements of one widened block of weight rows (4 MB)
@@ -86,11 +90,108 @@ class HalfEmbedding(nn.Module):
         return F.embedding(ids, self.bits).view(self.half).to(self.dtype)
 
 
+class QuantLinear(nn.Module):
+    """`nn.Linear` over a GGUF tensor kept in its file's layout: raw [out, row_bytes] uint8.
+
+    `qtype` is a ktlong.quant type name; `perm` [out] (optional) reorders the outputs (llama.cpp
+    stores llama's Q/K rows interleaved per head: y = (W x)[perm] undoes it without a copy)."""
+
+    def __init__(self, raw: np.ndarray, qtype: str, in_features: int,
+                 bias: torch.Tensor | None = None, perm: np.ndarray | None = None) -> None:
+        super().__init__()
+        self.qt = quant.TYPES[qtype]
+        self.in_features, self.out_features = in_features, raw.shape[0]
+        if raw.shape[1] != self.qt.row_bytes(in_features):
+            raise ValueError(f"{qtype} rows of {in_features} take {self.qt.row_bytes(in_features)} "
+                             f"bytes, got {raw.shape[1]}")
+        self.raw = raw  # not a buffer: stays in the mapped file, outside state_dict and .to()
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.perm = None if perm is None else torch.as_tensor(perm, dtype=torch.long)
+        self.block = self.qt.block  # a tile's columns start and end on these
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight={self.qt.name}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        rows = x.numel() // self.in_features
+        if rows == 1:
+            xv = x.reshape(-1).to(torch.float32).contiguous().numpy()
+            y = torch.from_numpy(self._gemv(xv))  # [out] f32
+        else:
+            y = self._gemm(x.reshape(rows, self.in_features).to(torch.float32))
+        if self.perm is not None:
+            y = y[..., self.perm]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _gemv(self, x: np.ndarray) -> np.ndarray:
+        kind = _FLOAT_KINDS.get(self.qt.name)
+        if kind is None:
+            return kernels.qgemv(self.raw, self.qt.ggml, x)
+        w = self.raw.view(np.float32 if kind == 0 else np.uint16)  # [out, in]
+        return kernels.gemv(w, x, kind)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] f32 -> [rows, out] f32, dequantising SCRATCH_FLOATS weights at a time."""
+        n, k = self.out_features, self.in_features
+        rb = max(1, min(n, SCRATCH_FLOATS // k))
+        y = torch.empty(x.shape[0], n)
+        for r0 in range(0, n, rb):
+            r1 = min(n, r0 + rb)
+            y[:, r0:r1] = F.linear(x, self.tile(r0, r1, 0, k))
+        return y
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """W[r0:r1, c0:c1] in float32 (c0, c1 on block boundaries); rows in the file's order."""
+        kind = _FLOAT_KINDS.get(self.qt.name)
+        if kind is None:
+            t = kernels.dequant(self.raw, self.qt.ggml, self.in_features, r0, r1, c0, c1)
+        else:
+            w = self.raw.view(np.float32 if kind == 0 else np.uint16)[r0:r1, c0:c1]
+            t = np.array(w) if kind == 0 else _widen(w, kind)  # a copy: the file is read-only
+        return torch.from_numpy(t)
+
+
+_FLOAT_KINDS = {"F32": 0, "BF16": 1, "F16": 2}  # GGUF float types -> the 16/32-bit GEMV's kind
+
+
+def _widen(bits: np.ndarray, kind: int) -> np.ndarray:
+    """BF16 (kind 1) or FP16 (kind 2) bits [..] uint16 -> float32."""
+    if kind == 1:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over a GGUF table [vocab, row_bytes]: rows dequantised as looked up."""
+
+    def __init__(self, table: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype  # shares the head's module when tied
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., hidden]
+        t = self.table
+        flat = ids.reshape(-1).numpy()
+        if t.qt.name in _FLOAT_KINDS:
+            kind = _FLOAT_KINDS[t.qt.name]
+            rows = t.raw.view(np.float32 if kind == 0 else np.uint16)[flat]
+            out = rows.astype(np.float32) if kind == 0 else _widen(rows, kind)
+        else:
+            out = kernels.dequant_rows(t.raw, t.qt.ggml, t.in_features, flat)
+        return torch.from_numpy(np.ascontiguousarray(out)).to(self.dtype).reshape(
+            *ids.shape, self.embedding_dim)
+
+
 MLP_BLOCK_FLOATS = 1 << 20  # float32 elements of one [rows, block] slice of the MLP's inside
 
 
 def _block(lin: nn.Module, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
     """lin's weight[r0:r1, c0:c1] in float32 (a 16-bit weight is widened into the scratch)."""
+    if isinstance(lin, QuantLinear):
+        return lin.tile(r0, r1, c0, c1)
     if isinstance(lin, HalfLinear):
         w = _scratch((r1 - r0) * (c1 - c0))[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
         return w.copy_(lin.bits.view(lin.half)[r0:r1, c0:c1])
@@ -116,8 +217,11 @@ class GatedMLP(nn.Module):
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         x2 = x.reshape(rows, -1).to(torch.float32)  # [rows, hidden]
         hidden, inter = down.out_features, down.in_features
-        # a slice's [rows, step] activations and its widened [hidden, step] down block both small
+        # a slice's [rows, step] activations and its widened [hidden, step] down block both small;
+        # a quantised down's columns are cut on its blocks
+        blk = getattr(down, "block", 1)
         step = max(64, min(MLP_BLOCK_FLOATS // rows, SCRATCH_FLOATS // hidden))
+        step = max(blk, step // blk * blk)
         out = torch.zeros(rows, hidden)
         for j0 in range(0, inter, step):
             j1 = min(inter, j0 + step)

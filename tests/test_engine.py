@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from ktlong.engine import Sampling, Session
 from ktlong.errors import KtlongError
-from ktlong.model import load_model
+from ktlong.model import load_model, read_spec
 from ktlong.tinymodel import filler_text
 
 from .models import ARCHS, gguf_model, hf_model, settings
@@ -27,7 +27,7 @@ def _stock(path) -> torch.nn.Module:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        cfg.head_dim = 16
+        cfg.head_dim = read_spec(path).head_dim  # transformers drops attention.key_length
         return AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, config=cfg, attn_implementation="sdpa"
         ).eval()

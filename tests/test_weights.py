@@ -113,11 +113,16 @@ def test_weight_type_converts_an_fp32_checkpoint():
         assert torch.equal(q.bits.view(dt), q_ref.weight.to(dt))  # rounded once, nearest
 
 
-@pytest.mark.parametrize("tensor_type,want", [("F32", "FP32"), ("F16", "FP16"), ("Q8_0", "BF16")])
-def test_gguf_weights_stay_in_16_bits_where_the_file_has_them(tensor_type, want):
-    lm = load_model(gguf_model("llama", tensor_type), device="CPU")
-    assert lm.weight_type == want
-    assert isinstance(lm.model.lm_head, nn.Linear if want == "FP32" else HalfLinear)
+@pytest.mark.parametrize("tensor_type", ["F32", "F16", "Q8_0"])
+def test_gguf_weights_stay_in_the_file_unless_a_weight_type_is_asked_for(tensor_type):
+    from ktlong.weights import QuantLinear
+
+    path = gguf_model("llama", tensor_type)
+    lm = load_model(path, device="CPU")
+    assert lm.weight_type == f"GGUF {tensor_type}"
+    assert isinstance(lm.model.lm_head, QuantLinear)
+    wide = load_model(path, device="CPU", weight_type="BF16")  # transformers widens, as asked
+    assert wide.weight_type == "BF16" and isinstance(wide.model.lm_head, HalfLinear)
 
 
 @pytest.mark.parametrize("half", [None, torch.bfloat16])

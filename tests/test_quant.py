@@ -1,0 +1,202 @@
+"""GGUF weights kept quantised: the layouts and quantiser against the `gguf` package, the kernels
+against its reference dequantisation, the modules against torch, and quantised files through the
+engine against transformers running the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ktlong.kernels import qlinear as qk
+from torch import nn
+
+from ktlong import kernels, quant
+from ktlong.engine import Sampling, Session
+from ktlong.ggufload import qk_order
+from ktlong.model import load_model, read_spec
+from ktlong.weights import QuantEmbedding, QuantLinear
+
+from .models import gguf_model, hf_model, settings
+from .test_engine import _prompt, _stock
+
+QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# the f16 fields of each block (byte offsets): scales d (and dmin)
+_HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random bytes in `qtype`'s layout [rows, row_bytes]: every code, 6-bit scale, min and
+    Q6_K sign pattern occurs; the f16 scales are finite, of both signs."""
+    t = quant.TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * k // t.block, t.nbytes), dtype=np.uint8)
+    for o in _HALVES[qtype]:
+        d = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
+        raw[:, o:o + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, t.row_bytes(k))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequant_kernels_equal_the_gguf_reference_on_random_blocks(qtype):
+    t = quant.TYPES[qtype]
+    k = 2 * max(256, t.block)
+    raw = random_blocks(qtype, 9, k, seed=t.ggml)
+    ref = quant.dequantize_ref(raw, qtype, k)  # [9, k]
+    np.testing.assert_allclose(kernels.dequant(raw, t.ggml, k, 0, 9), ref, rtol=1e-6, atol=1e-7)
+    c0 = t.block  # a tile off the first block, some rows
+    np.testing.assert_allclose(kernels.dequant(raw, t.ggml, k, 2, 7, c0, k), ref[2:7, c0:],
+                               rtol=1e-6, atol=1e-7)
+    ids = np.array([8, 0, 3, 3])
+    np.testing.assert_allclose(kernels.dequant_rows(raw, t.ggml, k, ids), ref[ids],
+                               rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("k", [256, 512, 1280])
+def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
+    t = quant.TYPES[qtype]
+    raw = random_blocks(qtype, 53, k, seed=k + t.ggml)
+    x = np.random.default_rng(k).standard_normal(k).astype(np.float32)
+    wd = quant.dequantize_ref(raw, qtype, k).astype(np.float64)  # [53, k]
+    # the float path: exact up to float32 sums
+    got = qk._qgemv(qk.readonly(raw), t.ggml, x)
+    np.testing.assert_allclose(got, wd @ x, rtol=1e-4, atol=1e-5 * np.abs(wd @ x).max())
+    if not qk.VNNI:
+        return
+    # the int8 path: exactly W times x rounded to int8 per 32 channels ...
+    codes, dx, _ = qk._quantise_x(x)
+    xr = codes.astype(np.float64) * np.repeat(dx, 32)
+    fast = kernels.qgemv(raw, t.ggml, x)
+    np.testing.assert_allclose(fast, wd @ xr, rtol=1e-4, atol=1e-5 * np.abs(wd @ xr).max())
+    # ... which is within 2% of the largest output of W x (llama.cpp rounds x the same way)
+    assert np.abs(fast - wd @ x).max() <= 0.02 * np.abs(wd @ x).max()
+
+
+def test_qgemv_ref_is_the_gguf_dequantisation_times_x():
+    raw = random_blocks("Q4_K", 4, 256)
+    x = np.ones(256, np.float32)
+    np.testing.assert_allclose(kernels.qgemv_ref(raw, 12, x),
+                               quant.dequantize_ref(raw, "Q4_K", 256).sum(1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype,bound", [("Q8_0", 0.005), ("Q4_0", 0.13), ("Q4_K", 0.07),
+                                         ("Q5_K", 0.035), ("Q6_K", 0.02)])
+def test_quantise_round_trip_error_is_bounded(qtype, bound):
+    """Error over each row's largest |x|: half a step, plus one step where a format has one level
+    fewer on one side (Q4_0: -8d..7d), plus the rounding of 6-bit K-quant scales."""
+    x = np.random.default_rng(1).standard_normal((16, 512)).astype(np.float32)
+    x[3] = 0.0  # an all-zero row: scales 0, no NaN
+    x[5] = np.abs(x[5])  # all positive: the K-quant min is 0
+    back = quant.dequantize_ref(quant.quantize(x, qtype), qtype, 512)
+    assert np.isfinite(back).all() and not back[3].any()
+    err = np.abs(back - x).max(axis=1) / np.maximum(np.abs(x).max(axis=1), 1e-12)
+    assert err.max() <= bound, (qtype, err.max())
+
+
+def test_quantise_refuses_rows_off_the_block():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.quantize(np.zeros((2, 100), np.float32), "Q4_K")
+
+
+def test_kernels_refuse_bad_shapes():
+    raw = random_blocks("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="rows of 96"):
+        kernels.qgemv(raw, 8, np.zeros(96, np.float32))
+    with pytest.raises(ValueError, match="off its 32-element blocks"):
+        kernels.dequant(raw, 8, 64, 0, 4, 0, 40)
+    with pytest.raises(ValueError, match="out of range"):
+        kernels.dequant_rows(raw, 8, 64, np.array([4]))
+
+
+def test_qk_order_undoes_llama_cpp_permutation():
+    from ktlong.tinymodel import _permute_qk
+
+    w = np.arange(4 * 8 * 3).reshape(4 * 8, 3)  # 4 heads of head_dim 8, rows = outputs
+    file_rows = _permute_qk(w, 4)
+    np.testing.assert_array_equal(file_rows[qk_order(32, 4)], w)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "F16", "F32"])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_quant_linear_equals_linear_over_the_dequantised_weight(qtype, rows, monkeypatch):
+    from ktlong import weights
+
+    monkeypatch.setattr(weights, "SCRATCH_FLOATS", 3000)  # several tiles per GEMM
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((48, 512)).astype(np.float32)
+    raw = quant.quantize(w, qtype)
+    perm = rng.permutation(48)
+    bias = torch.randn(48)
+    mod = QuantLinear(raw, qtype, 512, bias, perm)
+    ref = nn.Linear(512, 48)
+    ref.weight.data = torch.from_numpy(quant.dequantize_ref(raw, qtype, 512)[perm].copy())
+    ref.bias.data = bias
+    x = torch.randn(1, rows, 512)
+    with torch.inference_mode():
+        got, want = mod(x), ref(x)
+    tol = 0.02 if rows == 1 and qtype not in ("F16", "F32") else 1e-4  # int8-rounded x
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
+
+def test_quant_embedding_looks_up_dequantised_rows():
+    w = np.random.default_rng(0).standard_normal((20, 256)).astype(np.float32)
+    table = QuantLinear(quant.quantize(w, "Q6_K"), "Q6_K", 256)
+    emb = QuantEmbedding(table, torch.float32)
+    ids = torch.tensor([[3, 0, 19], [3, 3, 7]])
+    ref = torch.from_numpy(quant.dequantize_ref(table.raw, "Q6_K", 256))[ids]
+    torch.testing.assert_close(emb(ids), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantised_gguf_decodes_the_tokens_transformers_decodes_from_the_same_file(qtype):
+    path = gguf_model("llama", qtype)
+    lm = load_model(path, device="CPU")
+    assert lm.weight_type == f"GGUF {qtype}"
+    lins = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
+    assert lins and not [m for m in lm.model.modules() if isinstance(m, nn.Linear)]
+    assert all(not m.raw.flags.writeable for m in lins)  # views of the mapped file, no copies
+    ids = _prompt(lm.tokenizer)[:400]
+    s = Session(lm, settings(attention="DENSE"))
+    logits = s.prefill(ids, all_logits=True)
+    got = [st.token_id for st in s.generate(Sampling(max_new_tokens=16))]
+    stock = _stock(path)  # transformers dequantises the file through gguf-py
+    with torch.no_grad():
+        ref_logits = stock(torch.tensor([ids])).logits[0]
+        ref = stock.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    assert got == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_gguf_layer_outputs_match_the_dequantised_model(qtype):
+    """A 256-wide llama in a K-quant: ktlong over the file's blocks against transformers over
+    the same values dequantised. Prefill (tiles) agrees to 1e-4; decode rounds x to int8 per 32
+    channels, so its logits agree to 3% of their largest magnitude."""
+    folder = hf_model("llama", hidden=256, heads=4, kv_heads=2, intermediate=512)
+    from ktlong.tinymodel import write_gguf
+
+    path = write_gguf(folder, folder.parent / f"{folder.name}-{qtype}.gguf", qtype)
+    lm = load_model(path, device="CPU")
+    assert lm.weight_type == f"GGUF {qtype}"
+    ids = _prompt(lm.tokenizer)[:300]
+    s = Session(lm, settings(attention="DENSE"))
+    logits = s.prefill(ids, all_logits=True)
+    stock = _stock(path)
+    with torch.no_grad():
+        ref = stock(torch.tensor([ids])).logits[0]
+    assert (logits - ref).abs().max().item() < 1e-4 * ref.abs().max().item() + 1e-4
+    nxt = int(ref[-1].argmax())
+    one = s.prefill([nxt])[-1]  # one row: the int8 GEMV
+    with torch.no_grad():
+        want = stock(torch.tensor([ids + [nxt]])).logits[0, -1]
+    assert (one - want).abs().max().item() < 0.03 * want.abs().max().item()
+
+
+def test_spec_counts_gguf_weights_at_their_size_in_the_file():
+    import gguf
+
+    path = gguf_model("llama", "Q4_0")
+    spec = read_spec(path)
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    assert spec.weights_bytes == file_bytes
