@@ -178,3 +178,110 @@ def ld_f16(typingctx, addr):
         h = builder.load(builder.inttoptr(args[0], ir.HalfType().as_pointer()), align=1)
         return builder.fpext(h, ir.FloatType())
     return types.float32(addr), codegen
+
+
+@intrinsic
+def ld_u32(typingctx, addr):
+    """The little-endian uint32 at integer address addr (any alignment)."""
+    def codegen(context, builder, sig, args):
+        return builder.load(builder.inttoptr(args[0], _I32.as_pointer()), align=1)
+    return types.uint32(addr), codegen
+
+
+def _ivec(builder, v):
+    return builder.bitcast(v, _I32X16)
+
+
+@intrinsic
+def vmul_i32(typingctx, a, b):
+    """Lane-wise int32 a * b (vectors carried in vec bits)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.mul(_ivec(builder, args[0]), _ivec(builder, args[1])),
+                               _VEC)
+    return vec(vec, vec), codegen
+
+
+@intrinsic
+def vadd_i32(typingctx, a, b):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.add(_ivec(builder, args[0]), _ivec(builder, args[1])),
+                               _VEC)
+    return vec(vec, vec), codegen
+
+
+def _zext_bytes(builder, words, signed=False):
+    """<n x i32> words -> their 4n bytes widened to <4n x i32>."""
+    n = words.type.count * 4
+    b = builder.bitcast(words, ir.VectorType(_I8, n))
+    return (builder.sext if signed else builder.zext)(b, ir.VectorType(_I32, n))
+
+
+def _word_vec(builder, words):
+    v = ir.Constant(ir.VectorType(_I32, len(words)), None)
+    for i, w in enumerate(words):
+        v = builder.insert_element(v, w, ir.Constant(_I32, i))
+    return v
+
+
+@intrinsic
+def k4_lanes(typingctx, sc_lo, sc_hi):
+    """The 8 K-quant sub-block scales (bytes of sc_lo, then sc_hi) as the int32 lanes of 4
+    vectors, one per 64 weights: lanes 0-7 scale 2c, lanes 8-15 scale 2c + 1."""
+    if (sc_lo, sc_hi) != (types.uint32,) * 2:
+        return None
+
+    def codegen(context, builder, sig, args):
+        s8 = _zext_bytes(builder, _word_vec(builder, args))  # <8 x i32>
+        out = []
+        for c in range(4):
+            idx = [2 * c] * 8 + [2 * c + 1] * 8
+            v = builder.shuffle_vector(s8, s8, ir.Constant(ir.VectorType(_I32, 16), idx))
+            out.append(builder.bitcast(v, _VEC))
+        return context.make_tuple(builder, sig.return_type, out)
+    return types.UniTuple(vec, 4)(sc_lo, sc_hi), codegen
+
+
+@intrinsic
+def q6_lanes(typingctx, sa):
+    """Q6_K's 16 signed sub-block scales at address sa as the int32 lanes of 4 vectors, one per
+    64 weights: 4 lanes (16 weights) per scale."""
+    def codegen(context, builder, sig, args):
+        b = builder.load(builder.inttoptr(args[0], ir.VectorType(_I8, 16).as_pointer()), align=1)
+        s16 = builder.sext(b, _I32X16)
+        out = []
+        for u in range(4):
+            idx = [4 * u + i // 4 for i in range(16)]
+            v = builder.shuffle_vector(s16, s16, ir.Constant(ir.VectorType(_I32, 16), idx))
+            out.append(builder.bitcast(v, _VEC))
+        return context.make_tuple(builder, sig.return_type, out)
+    return types.UniTuple(vec, 4)(sa), codegen
+
+
+@intrinsic
+def dot_scales(typingctx, s_lo, s_hi, ba):
+    """Sum over 8 sub-blocks of scale (bytes of s_lo, s_hi) x the int32 at ba + 4j (the
+    activation codes' sum over sub-block j), as int32."""
+    if (s_lo, s_hi) != (types.uint32,) * 2:
+        return None
+
+    def codegen(context, builder, sig, args):
+        s8 = _zext_bytes(builder, _word_vec(builder, args[:2]))
+        v8 = ir.VectorType(_I32, 8)
+        b = builder.load(builder.inttoptr(args[2], v8.as_pointer()), align=1)
+        fnty = ir.FunctionType(_I32, [v8])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.vector.reduce.add.v8i32")
+        return builder.call(fn, [builder.mul(s8, b)])
+    return types.int32(s_lo, s_hi, ba), codegen
+
+
+@intrinsic
+def dot_q6_scales(typingctx, sa, ba):
+    """Sum over 16 sub-blocks of Q6_K's signed scale at sa + j x the int32 at ba + 4j."""
+    def codegen(context, builder, sig, args):
+        b8 = builder.load(builder.inttoptr(args[0], ir.VectorType(_I8, 16).as_pointer()), align=1)
+        b = builder.load(builder.inttoptr(args[1], _I32X16.as_pointer()), align=1)
+        fnty = ir.FunctionType(_I32, [_I32X16])
+        fn = cgutils.get_or_insert_function(builder.module, fnty,
+                                            "llvm.vector.reduce.add.v16i32")
+        return builder.call(fn, [builder.mul(builder.sext(b8, _I32X16), b)])
+    return types.int32(sa, ba), codegen

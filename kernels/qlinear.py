@@ -15,9 +15,26 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._qvec import VNNI, cvt_fma, dp4, dp5, dp6, dp8x2, dp40x2, lanes2, lanes4, ld_f16, ld_u8
+from ._qvec import (
+    VNNI,
+    cvt_fma,
+    dot_q6_scales,
+    dot_scales,
+    dp4,
+    dp5,
+    dp6,
+    dp8x2,
+    dp40x2,
+    k4_lanes,
+    lanes2,
+    ld_f16,
+    ld_u32,
+    q6_lanes,
+    vadd_i32,
+    vmul_i32,
+)
 from ._simd import F32, FASTMATH, readonly, to_f32
-from ._vec import vhsum, vzero
+from ._vec import vhsum, vsplat, vzero
 from .threads import use_threads
 
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
@@ -171,102 +188,102 @@ def _qgemv(w, qtype, x):
     return out
 
 
-# AVX512-VNNI path: x is quantised to int8 per 32 channels (scale dx), each weight block's codes
-# meet x's codes in vpdpbusd, and the int32 lanes are scaled by (weight scale x dx) in float32.
-# A block's constant term (mins, code offsets) uses x's codes too (xq: dx x the codes' sum per 16
-# channels), so the result is exactly W times the int8-rounded x (and Q8_0's +128 offset cancels).
+# AVX512-VNNI path (as llama.cpp's): x is rounded to int8, per 32 channels for Q8_0 / Q4_0 and per
+# 256 for the K-quants; each block's codes meet x's codes in vpdpbusd. Q8_0 / Q4_0 scale the int32
+# lanes by (block scale x dx) in float32; a K-quant super-block sums its sub-blocks' lanes times
+# their integer scales in int32, then scales once. Constant terms (mins, code offsets) use the sums
+# of x's codes, so the result is exactly W times the int8-rounded x.
+_M6, _M4, _M2 = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _quantise_x(x):
-    """x [K] -> int8 codes [K], scale per 32 [K/32], dx x sum of codes per 16 [K/16]."""
-    nb = x.shape[0] // 32
-    q = np.empty(x.shape[0], np.int8)
-    dx = np.empty(nb, F32)
-    xq = np.empty(2 * nb, F32)
-    for j in range(nb):
+def _quantise_x(x, group):
+    """x [K] -> int8 codes [K], scale per `group` channels [K/group], codes' sums per 16 [K/16]
+    and per 32 [K/32] (int32)."""
+    k = x.shape[0]
+    q = np.empty(k, np.int8)
+    dx = np.empty(k // group, F32)
+    s16 = np.empty(k // 16, np.int32)
+    s32 = np.empty(k // 32, np.int32)
+    for j in range(k // group):
         m = F32(0)
-        for i in range(32):
-            m = max(m, abs(x[32 * j + i]))
-        d = m / F32(127)
+        for i in range(group):
+            m = max(m, abs(x[group * j + i]))
+        dx[j] = m / F32(127)
         inv = F32(127) / m if m > 0 else F32(0)
-        s0 = s1 = 0
+        for i in range(group):
+            q[group * j + i] = np.int8(np.int32(np.rint(x[group * j + i] * inv)))
+    for j in range(k // 16):
+        t = np.int32(0)
         for i in range(16):
-            v0 = np.int8(np.int32(np.rint(x[32 * j + i] * inv)))
-            v1 = np.int8(np.int32(np.rint(x[32 * j + 16 + i] * inv)))
-            q[32 * j + i], q[32 * j + 16 + i] = v0, v1
-            s0 += np.int32(v0)
-            s1 += np.int32(v1)
-        dx[j], xq[2 * j], xq[2 * j + 1] = d, d * F32(s0), d * F32(s1)
-    return q, dx, xq
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _sm_at(a, j):
-    """6-bit scale and min of K-quant sub-block j, scale field at address a."""
-    if j < 4:
-        return F32(ld_u8(a + j) & 63), F32(ld_u8(a + j + 4) & 63)
-    sc = (ld_u8(a + j + 4) & 15) | ((ld_u8(a + j - 4) >> 6) << 4)
-    m = (ld_u8(a + j + 4) >> 4) | ((ld_u8(a + j) >> 6) << 4)
-    return F32(sc), F32(m)
+            t += np.int32(q[16 * j + i])
+        s16[j] = t
+    for j in range(k // 32):
+        s32[j] = s16[2 * j] + s16[2 * j + 1]
+    return q, dx, s16, s32
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _vdot(qtype, wa, xa, dx, xq, k):
-    """Row at address wa . x (codes at xa) for the VNNI path."""
+def _vdot_k(qtype, wa, xa, dx, s16a, s32a, k):
+    """Row at address wa (Q4_K, Q5_K, Q6_K) . x (codes at xa, one scale per 256)."""
     acc = vzero()
-    corr = F32(0)  # the blocks' constant terms, subtracted at the end
-    if qtype == Q4_K or qtype == Q5_K:
-        five = qtype == Q5_K
-        size = 176 if five else 144
-        for b in range(k // 256):
-            o = wa + b * size
-            d, dmin = ld_f16(o), ld_f16(o + 2)
-            for c in range(4):
-                xo = xa + b * 256 + 64 * c
-                if five:
-                    p = dp5(vzero(), o + 48 + 32 * c, o + 16, 2 * c, xo)
-                else:
-                    p = dp4(vzero(), o + 16 + 32 * c, xo)
-                sc0, m0 = _sm_at(o + 4, 2 * c)
-                sc1, m1 = _sm_at(o + 4, 2 * c + 1)
-                j = b * 8 + 2 * c
-                acc = cvt_fma(p, lanes2(d * sc0 * dx[j], d * sc1 * dx[j + 1]), acc)
-                corr += dmin * (m0 * (xq[2 * j] + xq[2 * j + 1])
-                                + m1 * (xq[2 * j + 2] + xq[2 * j + 3]))
-    elif qtype == Q6_K:
-        for b in range(k // 256):
-            o = wa + b * 210
-            d = ld_f16(o + 208)
-            for h in range(2):
-                for pr in range(2):
-                    xo = xa + b * 256 + 128 * h + 64 * pr
-                    p = dp6(vzero(), o + 64 * h, 4 * pr, o + 128 + 32 * h, 4 * pr, xo)
-                    s = o + 192 + 8 * h + 4 * pr  # 4 scales of 16 weights each
-                    j = b * 8 + 4 * h + 2 * pr  # x block of 32
-                    s0, s1 = d * F32(np.int8(ld_u8(s))), d * F32(np.int8(ld_u8(s + 1)))
-                    s2, s3 = d * F32(np.int8(ld_u8(s + 2))), d * F32(np.int8(ld_u8(s + 3)))
-                    acc = cvt_fma(p, lanes4(s0 * dx[j], s1 * dx[j], s2 * dx[j + 1],
-                                            s3 * dx[j + 1]), acc)
-                    i = 2 * j
-                    corr += F32(32) * (s0 * xq[i] + s1 * xq[i + 1] + s2 * xq[i + 2]
-                                       + s3 * xq[i + 3])
-    elif qtype == Q8_0:
-        for j in range(0, k // 32, 2):
+    corr = F32(0)
+    for b in range(k // 256):
+        xo, dd = xa + 256 * b, dx[b]
+        if qtype == Q6_K:
+            o = wa + 210 * b
+            l0, l1, l2, l3 = q6_lanes(o + 192)
+            p0 = dp6(vzero(), o, 0, o + 128, 0, xo)  # weights 0-63 of the super-block
+            p1 = dp6(vzero(), o, 4, o + 128, 4, xo + 64)
+            p2 = dp6(vzero(), o + 64, 0, o + 160, 0, xo + 128)
+            p3 = dp6(vzero(), o + 64, 4, o + 160, 4, xo + 192)
+            d = ld_f16(o + 208) * dd
+            corr += d * F32(32 * dot_q6_scales(o + 192, s16a + 64 * b))  # the codes' -32
+        else:
+            five = qtype == Q5_K
+            o = wa + (176 if five else 144) * b
+            u0, u1, u2 = ld_u32(o + 4), ld_u32(o + 8), ld_u32(o + 12)
+            sc_lo, m_lo = np.uint32(u0 & _M6), np.uint32(u1 & _M6)
+            sc_hi = np.uint32((u2 & _M4) | (((u0 >> np.uint32(6)) & _M2) << np.uint32(4)))
+            m_hi = np.uint32(((u2 >> np.uint32(4)) & _M4)
+                             | (((u1 >> np.uint32(6)) & _M2) << np.uint32(4)))
+            l0, l1, l2, l3 = k4_lanes(sc_lo, sc_hi)
+            if five:
+                p0 = dp5(vzero(), o + 48, o + 16, 0, xo)
+                p1 = dp5(vzero(), o + 80, o + 16, 2, xo + 64)
+                p2 = dp5(vzero(), o + 112, o + 16, 4, xo + 128)
+                p3 = dp5(vzero(), o + 144, o + 16, 6, xo + 192)
+            else:
+                p0 = dp4(vzero(), o + 16, xo)
+                p1 = dp4(vzero(), o + 48, xo + 64)
+                p2 = dp4(vzero(), o + 80, xo + 128)
+                p3 = dp4(vzero(), o + 112, xo + 192)
+            d = ld_f16(o) * dd
+            corr += ld_f16(o + 2) * dd * F32(dot_scales(m_lo, m_hi, s32a + 32 * b))  # the mins
+        t = vadd_i32(vadd_i32(vmul_i32(p0, l0), vmul_i32(p1, l1)),
+                     vadd_i32(vmul_i32(p2, l2), vmul_i32(p3, l3)))
+        acc = cvt_fma(t, vsplat(d), acc)
+    return vhsum(acc) - corr
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _vdot_32(qtype, wa, xa, dx, s32, k):
+    """Row at address wa (Q8_0, Q4_0) . x (codes at xa, one scale per 32)."""
+    acc = vzero()
+    corr = F32(0)
+    for j in range(0, k // 32, 2):
+        if qtype == Q8_0:
             o = wa + j * 34
             d0, d1 = ld_f16(o), ld_f16(o + 34)
             p = dp8x2(vzero(), o + 2, o + 36, xa + 32 * j)
-            acc = cvt_fma(p, lanes2(d0 * dx[j], d1 * dx[j + 1]), acc)
-            corr += F32(128) * (d0 * (xq[2 * j] + xq[2 * j + 1])
-                                + d1 * (xq[2 * j + 2] + xq[2 * j + 3]))
-    else:  # Q4_0
-        for j in range(0, k // 32, 2):
+            off = F32(128)  # the +128 that made the codes unsigned
+        else:
             o = wa + j * 18
             d0, d1 = ld_f16(o), ld_f16(o + 18)
             p = dp40x2(vzero(), o + 2, o + 20, xa + 32 * j)
-            acc = cvt_fma(p, lanes2(d0 * dx[j], d1 * dx[j + 1]), acc)
-            corr += F32(8) * (d0 * (xq[2 * j] + xq[2 * j + 1])
-                              + d1 * (xq[2 * j + 2] + xq[2 * j + 3]))
+            off = F32(8)
+        acc = cvt_fma(p, lanes2(d0 * dx[j], d1 * dx[j + 1]), acc)
+        corr += off * (d0 * dx[j] * F32(s32[j]) + d1 * dx[j + 1] * F32(s32[j + 1]))
     return vhsum(acc) - corr
 
 
@@ -274,12 +291,16 @@ def _vdot(qtype, wa, xa, dx, xq, k):
 def _qgemv_vnni(w, qtype, x):
     # w [N, row_bytes] u8; x [K] f32 (K a multiple of 64) -> [N] f32
     n, rb, k = w.shape[0], w.shape[1], x.shape[0]
-    xc, dx, xq = _quantise_x(x)
-    wa, xa = w.ctypes.data, xc.ctypes.data
+    kq = qtype == Q4_K or qtype == Q5_K or qtype == Q6_K
+    xc, dx, s16, s32 = _quantise_x(x, 256 if kq else 32)
+    wa, xa, s16a, s32a = w.ctypes.data, xc.ctypes.data, s16.ctypes.data, s32.ctypes.data
     out = np.empty(n, F32)
     for it in prange((n + RB - 1) // RB):
         for r in range(it * RB, min(n, it * RB + RB)):
-            out[r] = _vdot(qtype, wa + r * rb, xa, dx, xq, k)
+            if kq:
+                out[r] = _vdot_k(qtype, wa + r * rb, xa, dx, s16a, s32a, k)
+            else:
+                out[r] = _vdot_32(qtype, wa + r * rb, xa, dx, s32, k)
     return out
 
 
@@ -359,7 +380,7 @@ def qgemv(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:
     k = x.shape[0]
     w = _check(w, qtype, k)
     use_threads()
-    if VNNI and k % 64 == 0:
+    if VNNI and k % (256 if qtype in (Q4_K, Q5_K, Q6_K) else 64) == 0:
         return _qgemv_vnni(w, qtype, readonly(x, F32))
     return _qgemv(w, qtype, readonly(x, F32))
 

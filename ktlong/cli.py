@@ -531,8 +531,8 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                   min=2, help="Tokens decoded per run (EOS does not stop it).")] = 64,
               runtimes: Annotated[str, typer.Option(
                   help="Runtimes, comma-separated: ktlong-default, ktlong-dense, transformers, "
-                       "llamacpp (flash attention on and off; needs the peers extra), or one "
-                       "of llamacpp-fa, llamacpp-nofa.")]
+                       "llamacpp (flash attention on, KV F16 and Q8_0; needs the peers extra), "
+                       "or one of llamacpp-fa, llamacpp-q8kv, llamacpp-nofa.")]
               = "ktlong-default,ktlong-dense,transformers,llamacpp",
               repeats: Annotated[int, typer.Option(
                   min=1, help="Interleaved rounds; medians are reported.")] = 1,
@@ -545,16 +545,44 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
               threads: Annotated[int, typer.Option(
                   "--threads", "-t", min=0,
                   help="CPU threads (0: ktlong takes the idle cores, the peers all cores).")] = 0,
+              model: Annotated[str | None, typer.Option(
+                  "--model", "-m", show_default=False,
+                  help="Your own model: a GGUF file (ktlong vs llama.cpp on the same file) or an "
+                       "HF folder (ktlong vs transformers).")] = None,
+              shape: Annotated[str | None, typer.Option(
+                  show_default=False,
+                  help="A random model at real widths, as one GGUF file read by ktlong and "
+                       "llama.cpp: 8b (Llama-3.1-8B's widths). Kept under "
+                       "KTLONG_HOME/bench-models for later runs.")] = None,
+              layers: Annotated[int, typer.Option(
+                  min=1, help="Layers of the --shape model.")] = 6,
+              weights: Annotated[str, typer.Option(
+                  help="Weights of the --shape model: q4_k_m, q8_0, q6_k or f16 (quantised by "
+                       "llama.cpp's quantizer when llama-cpp-python is installed, else by "
+                       "ktlong's).")] = "q4_k_m",
               as_json: JsonOpt = False) -> None:
-    """Prefill, decode and peak RSS on one random Llama: ktlong vs transformers and llama.cpp."""
+    """Prefill, decode and peak RSS: ktlong vs transformers and llama.cpp, on one random Llama,
+    a random model at real widths (--shape), or your own (--model)."""
     from ktlong.bench import e2e
+    from ktlong.bench.genmodel import SHAPES, WEIGHTS
 
+    if shape is not None and shape not in SHAPES:
+        raise KtlongError(f"--shape: unknown shape {shape!r}", hint=f"choose from {list(SHAPES)}")
+    if weights not in WEIGHTS:
+        raise KtlongError(f"--weights: unknown recipe {weights!r}",
+                          hint=f"choose from {', '.join(WEIGHTS)}")
+    if shape is not None and model is not None:
+        raise KtlongError("--shape and --model exclude each other",
+                          hint="bench a random model at real widths, or your own, not both")
     names = [r.strip() for r in runtimes.split(",") if r.strip()]
-    command = (f"ktlong bench e2e --contexts {contexts} --new-tokens {new_tokens} "
+    source = (f" --model {model}" if model else "") + (
+        f" --shape {shape} --layers {layers} --weights {weights}" if shape else "")
+    command = (f"ktlong bench e2e{source} --contexts {contexts} --new-tokens {new_tokens} "
                f"--runtimes {','.join(names)}{f' --repeats {repeats}' if repeats > 1 else ''}"
                f" --decode-runs {decode_runs}{f' --threads {threads}' if threads else ''}")
     e2e.main(_lengths(contexts), new_tokens, threads, as_json, png, names, repeats,
-             command=command, decode_runs=decode_runs)
+             command=command, decode_runs=decode_runs, model=model,
+             gen=(shape, layers, weights) if shape else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -164,36 +164,7 @@ def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32
     tok = AutoTokenizer.from_pretrained(hf_dir)
     arch = gguf.MODEL_ARCH[_GGUF_ARCH[cfg.model_type]]
     w = gguf.GGUFWriter(str(out_file), gguf.MODEL_ARCH_NAMES[arch])
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_vocab_size(cfg.vocab_size)
-
-    # tokenizer: byte-level BPE ("gpt2" in GGUF terms), with control tokens and the template
-    vocab = tok.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = _bpe_merges(tok)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    special = set(tok.all_special_tokens) | set(SPECIAL_TOKENS)
-    w.add_token_types(
-        [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
-    )
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_add_bos_token(False)
-    if tok.chat_template:
-        w.add_chat_template(tok.chat_template)
+    gguf_header(w, cfg, tok)
 
     qtype = gguf.GGMLQuantizationType[tensor_type]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -222,6 +193,43 @@ def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32
     w.write_tensors_to_file()
     w.close()
     return out_file
+
+
+def gguf_header(w: Any, cfg: Any, tok: Any, vocab: int | None = None) -> None:
+    """Write a llama-family config and the byte-level BPE tokenizer `tok` into GGUF writer `w`;
+    the token list is padded with reserved control tokens up to `vocab` (default: tok's)."""
+    import gguf
+
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_vocab_size(vocab or cfg.vocab_size)
+
+    # tokenizer: byte-level BPE ("gpt2" in GGUF terms), with control tokens and the template
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    special = set(tok.all_special_tokens) | set(SPECIAL_TOKENS)
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    pad = (vocab or len(tokens)) - len(tokens)
+    tokens += [f"<|reserved_{i}|>" for i in range(pad)]
+    types += [gguf.TokenType.CONTROL] * pad
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(_bpe_merges(tok))
+    w.add_token_types(types)
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_add_bos_token(False)
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
 
 
 def _bpe_merges(tok: Any) -> list[str]:

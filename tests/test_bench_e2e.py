@@ -34,7 +34,7 @@ def test_bench_e2e_json(capsys: pytest.CaptureFixture[str]) -> None:
     if "llamacpp" in rows:  # llama-cpp-python is an optional extra
         assert rows["llamacpp"]["status"] == "not installed"
     else:
-        assert {"llamacpp-fa", "llamacpp-nofa"} <= set(rows)
+        assert {"llamacpp-fa", "llamacpp-q8kv"} <= set(rows)
 
 
 def test_bench_e2e_unknown_runtime() -> None:
@@ -46,7 +46,7 @@ def test_bench_e2e_unknown_runtime() -> None:
 
 def test_bench_e2e_one_llamacpp_mode() -> None:
     assert e2e._expand(["llamacpp-nofa"], have_llamacpp=True) == ["llamacpp-nofa"]
-    assert e2e._expand(["llamacpp"], have_llamacpp=True) == ["llamacpp-fa", "llamacpp-nofa"]
+    assert e2e._expand(["llamacpp"], have_llamacpp=True) == ["llamacpp-fa", "llamacpp-q8kv"]
     assert e2e._expand(["llamacpp-fa", "ktlong-default"], have_llamacpp=False) == [
         "ktlong-default"]
 

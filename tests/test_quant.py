@@ -63,9 +63,10 @@ def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
     np.testing.assert_allclose(got, wd @ x, rtol=1e-4, atol=1e-5 * np.abs(wd @ x).max())
     if not qk.VNNI:
         return
-    # the int8 path: exactly W times x rounded to int8 per 32 channels ...
-    codes, dx, _ = qk._quantise_x(x)
-    xr = codes.astype(np.float64) * np.repeat(dx, 32)
+    # the int8 path: exactly W times x rounded to int8 (per 32 channels, per 256 for K-quants) ...
+    group = 256 if t.block == 256 else 32
+    codes, dx, _, _ = qk._quantise_x(x, group)
+    xr = codes.astype(np.float64) * np.repeat(dx, group)
     fast = kernels.qgemv(raw, t.ggml, x)
     np.testing.assert_allclose(fast, wd @ xr, rtol=1e-4, atol=1e-5 * np.abs(wd @ xr).max())
     # ... which is within 2% of the largest output of W x (llama.cpp rounds x the same way)

@@ -1,11 +1,15 @@
 """`ktlong bench e2e`: end-to-end prefill and decode against transformers and llama.cpp.
 
-One random Llama (BENCH_SHAPE) is written by the project's own code as an HF folder (BF16
-weights, as real checkpoints ship; the tokenizer trained here) and, for llama.cpp, as a GGUF F16
-file of the same values. ktlong keeps the BF16 weights (ktlong.weights), transformers widens them
-to float32, llama.cpp reads F16. The prompt is
-tokenized once and the same ids are fed to every runtime. Each measurement runs in a fresh
-subprocess (so its peak RSS is its own); runtimes are interleaved per context and per repeat;
+The model is one of:
+- by default, a random 1B-width Llama (BENCH_SHAPE) written by the project's own code as an HF
+  folder (BF16 weights; the tokenizer trained here) and, for llama.cpp, as a GGUF F16 file of the
+  same values: ktlong keeps the BF16 weights, transformers widens them to float32;
+- `--shape 8b --layers N --weights q4_k_m|q8_0|q6_k|f16`: a random model at Llama-3.1-8B's widths
+  as one GGUF file (ktlong.bench.genmodel), which ktlong and llama.cpp both read;
+- `--model PATH`: the user's own GGUF file (ktlong and llama.cpp read it) or HF folder (ktlong and
+  transformers).
+The prompt is tokenized once and the same ids are fed to every runtime. Each measurement runs in a
+fresh subprocess (so its peak RSS is its own); runtimes are interleaved per context and per repeat;
 medians are reported. Memory is the worker's peak RSS over its baseline: its RSS after the
 runtime has run once on a tiny model of the same dtypes (TINY_SHAPE), so code, compiled kernels
 and thread pools are the baseline's, for every runtime alike.
@@ -37,7 +41,9 @@ from ktlong.bench.rss import peak_rss
 # decode step reads stand in the proportion of real models; two layers so 64K prefills in minutes.
 BENCH_SHAPE = dict(layers=2, hidden=2048, heads=16, kv_heads=4, head_dim=128, intermediate=5632)
 RUNTIMES = ("ktlong-default", "ktlong-dense", "transformers", "llamacpp", "llamacpp-fa",
-            "llamacpp-nofa")
+            "llamacpp-q8kv", "llamacpp-nofa")
+LLAMACPP_KV = {"llamacpp-fa": (True, 1), "llamacpp-q8kv": (True, 8), "llamacpp-nofa": (False, 1)}
+# flash attention, KV type (ggml: 1 = F16, 8 = Q8_0) of each llama.cpp runtime
 DECODE_RUNS = 3  # decode runs per prefill; the median is reported
 # the warm-up model: BENCH_SHAPE's dtypes and head_dim, so it runs the same compiled kernels
 TINY_SHAPE = dict(layers=1, hidden=256, heads=4, kv_heads=1, head_dim=128, intermediate=512)
@@ -69,13 +75,12 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
     from ktlong.engine import Sampling, Session
     from ktlong.model import load_model
 
-    lm = load_model(model, device="CPU")  # float32 activations, the checkpoint's BF16 weights
+    lm = load_model(model, device="CPU")  # float32 activations, the checkpoint's own weights
     lm = dataclasses.replace(lm, eos_ids=())  # EOS is an ordinary token: always decode `new`
     st = resolve_settings(  # built-in defaults + the profile: config.yaml edits do not count
         profile, {"max_seq_len": len(ids) + new + 16, "threads_num": threads}, config_file=False
     ).settings
-    weights = sum(t.numel() * t.element_size()
-                  for t in (*lm.model.parameters(), *lm.model.buffers()) if t.dim() > 1)
+    weights = lm.spec.weights_bytes  # what the loader holds (a GGUF: the mapped file's tensors)
     session = Session(lm, st)
     t0 = time.perf_counter()
     session.prefill(ids)
@@ -95,6 +100,7 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
     return dict(
         t0=t0, first=first[0], out=first[1], windows=windows, weights_bytes=weights,
         kv_bytes=first[2], attended_share=share, threads=session.threads,
+        weight_type=lm.weight_type,
     )
 
 
@@ -138,14 +144,17 @@ def _run_transformers(model: str, ids: list[int], new: int, threads: int, runs: 
     )
 
 
-def _run_llamacpp(
-    gguf: str, model: str, ids: list[int], new: int, threads: int, flash: bool, runs: int
-) -> dict:
+def _run_llamacpp(gguf: str, ids: list[int], new: int, threads: int, runtime: str,
+                  runs: int) -> dict:
     import llama_cpp
 
+    from ktlong.model import read_spec
+
+    flash, kv_type = LLAMACPP_KV[runtime]
     llm = llama_cpp.Llama(
         model_path=gguf, n_ctx=len(ids) + new + 16, n_batch=512, n_threads=threads,
-        n_threads_batch=threads, flash_attn=flash, n_gpu_layers=0, verbose=False,
+        n_threads_batch=threads, flash_attn=flash, type_k=kv_type, type_v=kv_type,
+        n_gpu_layers=0, verbose=False,
     )
     windows = []
     t0 = time.perf_counter()
@@ -162,12 +171,12 @@ def _run_llamacpp(
         windows.append(_window(stamps))
         if r == 0:
             first = (stamps[0], out)
-    cfg = json.loads((Path(model) / "config.json").read_text())  # F16 KV: 2 bytes per value
-    kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    spec = read_spec(gguf)
+    per_value = 34 / 32 if kv_type == 8 else 2  # Q8_0: 32 values in 34 bytes
+    kv = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * per_value * (len(ids) + new)
     return dict(
         t0=t0, first=first[0], out=first[1], windows=windows,
-        weights_bytes=Path(gguf).stat().st_size,
-        kv_bytes=kv * (len(ids) + new),
+        weights_bytes=spec.weights_bytes, kv_bytes=int(kv),
     )
 
 
@@ -183,7 +192,7 @@ def _warm(runtime: str, tiny: str, ids: list[int], threads: int) -> None:
         from ktlong.engine import Sampling, Session
         from ktlong.model import load_model
 
-        lm = dataclasses.replace(load_model(tiny, device="CPU"), eos_ids=())
+        lm = dataclasses.replace(load_model(tiny, device="CPU"), eos_ids=())  # same weight types
         st = resolve_settings(  # a budget smaller than the prompt: the sparse kernels run too
             runtime.split("-", 1)[1], {"max_seq_len": WARM_TOKENS + 16, "threads_num": threads,
                                        "block_size": 16, "init_len": 16, "local_windows_len": 64,
@@ -207,10 +216,11 @@ def _warm(runtime: str, tiny: str, ids: list[int], threads: int) -> None:
     else:
         import llama_cpp
 
+        flash, kv_type = LLAMACPP_KV[runtime]
         llm = llama_cpp.Llama(
             model_path=str(Path(tiny).with_suffix(".gguf")), n_ctx=WARM_TOKENS + 16,
-            n_threads=threads, n_threads_batch=threads, flash_attn=runtime == "llamacpp-fa",
-            n_gpu_layers=0, verbose=False,
+            n_threads=threads, n_threads_batch=threads, flash_attn=flash, type_k=kv_type,
+            type_v=kv_type, n_gpu_layers=0, verbose=False,
         )
         for i, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True)):
             if i == 2:
@@ -223,14 +233,16 @@ def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, thread
     ids = json.loads(Path(ids_file).read_text())
     # the process's own footprint before the benchmark model: interpreter, libraries, and the
     # runtime run once on a tiny model, so peak RSS - baseline is what this model and context add
-    _warm(runtime, tiny, ids, threads)
+    # (a GGUF model's warm-up is the tiny model's GGUF, in the same weight types)
+    _warm(runtime, str(Path(tiny).with_suffix(".gguf")) if runtime.startswith("ktlong-")
+          and model.endswith(".gguf") else tiny, ids, threads)
     baseline = peak_rss(reset=True)
     if runtime.startswith("ktlong-"):
         r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads, runs)
     elif runtime == "transformers":
         r = _run_transformers(model, ids, new, threads, runs)
     elif runtime.startswith("llamacpp"):
-        r = _run_llamacpp(gguf, model, ids, new, threads, runtime == "llamacpp-fa", runs)
+        r = _run_llamacpp(gguf, ids, new, threads, runtime, runs)
     else:
         raise ValueError(f"unknown runtime {runtime}")
     n = len(ids)
@@ -254,7 +266,7 @@ def _expand(runtimes: list[str], have_llamacpp: bool) -> list[str]:
 
             raise KtlongError(f"--runtimes: unknown runtime {r!r}", hint=f"choose from {RUNTIMES}")
         if r.startswith("llamacpp"):
-            out += ([r] if "-" in r else ["llamacpp-fa", "llamacpp-nofa"]) if have_llamacpp else []
+            out += ([r] if "-" in r else ["llamacpp-fa", "llamacpp-q8kv"]) if have_llamacpp else []
         else:
             out.append(r)
     return out
@@ -284,44 +296,105 @@ def _parse(proc: subprocess.CompletedProcess, name: str, n: int) -> dict:
     return dict(runtime=name, context=n, status="failed", note=why)
 
 
-def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
-        repeats: int = 1, shape: dict[str, int] | None = None,
-        log: Any = None, decode_runs: int = DECODE_RUNS) -> dict[str, Any]:
-    """Measure every runtime at every context; returns {threads, model, rows}."""
+def _prepare(root: Path, contexts: list[int], new_tokens: int, shape: dict[str, int],
+             model: str | None, gen: tuple[str, int, str] | None, need_gguf: bool,
+             log: Any) -> dict[str, Any]:
+    """The files the workers read: {model (what ktlong loads), gguf (what llama.cpp loads),
+    tiny (warm-up HF folder, its GGUF beside it), tokenizer (a folder, or (folder, gguf)),
+    describe, origin}."""
+    from ktlong.tinymodel import make_model, write_gguf
+
+    tiny_shape = dict(TINY_SHAPE)
+    if gen is not None:
+        from ktlong.bench import genmodel
+        from ktlong.config import ktlong_home
+
+        name, layers, weights = gen
+        path, origin = genmodel.build(ktlong_home() / "bench-models", name, layers, weights, log)
+        tiny = make_model(root / "tiny", "llama", dtype="bfloat16", **tiny_shape)
+        write_gguf(tiny, tiny.with_suffix(".gguf"), genmodel.tensor_type(
+            "blk.0.ffn_up.weight", weights, 1))  # the warm-up reads the same kernels
+        return dict(model=str(path), gguf=str(path), tiny=str(tiny), tokenizer=str(tiny),
+                    describe=f"random {name} widths, {layers} layers, {weights}",
+                    origin=f"{origin}; {path} ({path.stat().st_size / 1e9:.2f} GB)")
+    if model is not None:
+        from ktlong.model import read_spec
+
+        spec = read_spec(model)
+        tiny = make_model(root / "tiny", spec.arch if spec.arch != "mistral" else "llama",
+                          dtype="bfloat16", **tiny_shape)
+        if spec.format == "gguf":
+            top = max(spec.weight_types, key=lambda t: spec.weight_types[t])
+            write_gguf(tiny, tiny.with_suffix(".gguf"), top if top in (
+                "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "F16", "F32") else "Q8_0")
+            tok = (str(Path(spec.path).parent), Path(spec.path).name)
+        else:
+            tok = spec.path
+        return dict(model=spec.path, gguf=spec.path if spec.format == "gguf" else "",
+                    tiny=str(tiny), tokenizer=tok, describe=f"{spec.path} ({spec.arch})",
+                    origin="")
+    hf = make_model(
+        root / "hf", "llama", max_positions=2 * (max(contexts) + new_tokens + 16),
+        dtype="bfloat16", **shape
+    )
+    tiny = make_model(root / "tiny", "llama", dtype="bfloat16", **tiny_shape)  # see _warm
+    gguf = root / "model-f16.gguf"
+    if need_gguf:
+        write_gguf(hf, gguf, "F16")
+        write_gguf(tiny, tiny.with_suffix(".gguf"), "F16")
+    return dict(model=str(hf), gguf=str(gguf), tiny=str(tiny), tokenizer=str(hf),
+                describe=f"random Llama {shape}", origin="")
+
+
+def _prompt_ids(tokenizer: str | tuple[str, str], n: int) -> list[int]:
     from transformers import AutoTokenizer
 
-    from ktlong.tinymodel import filler_text, make_model, write_gguf
+    from ktlong.tinymodel import filler_text
 
+    if isinstance(tokenizer, tuple):
+        tok = AutoTokenizer.from_pretrained(tokenizer[0], gguf_file=tokenizer[1])
+    else:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    words = n
+    while len(ids := tok(filler_text(words, seed=0))["input_ids"]) < n:
+        words *= 2
+    return ids[:n]
+
+
+def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
+        repeats: int = 1, shape: dict[str, int] | None = None,
+        log: Any = None, decode_runs: int = DECODE_RUNS, model: str | None = None,
+        gen: tuple[str, int, str] | None = None) -> dict[str, Any]:
+    """Measure every runtime at every context; returns {threads, model, rows}."""
     shape = dict(shape or BENCH_SHAPE)
     # 0: ktlong picks the idle cores itself (its default); the peers get every core
     peer_threads = threads or os.cpu_count() or 1
+    is_gguf = gen is not None
+    if model is not None:
+        from ktlong.model import read_spec
+
+        is_gguf = read_spec(model).format == "gguf"
+    if is_gguf:  # transformers would widen the file; llama.cpp reads it as it is
+        runtimes = [r for r in runtimes if r != "transformers"]
+    elif model is not None:  # an HF folder: llama.cpp needs a GGUF of it
+        runtimes = [r for r in runtimes if not r.startswith("llamacpp")]
     wants_llamacpp = any(r.startswith("llamacpp") for r in runtimes)
     have_llamacpp = wants_llamacpp and _llamacpp_available()
     names = _expand(runtimes, have_llamacpp)
     tmp = tempfile.TemporaryDirectory(prefix="ktlong-e2e-")
     root = Path(tmp.name)
-    hf = make_model(
-        root / "hf", "llama", max_positions=2 * (max(contexts) + new_tokens + 16),
-        dtype="bfloat16", **shape
-    )
-    tiny = make_model(root / "tiny", "llama", dtype="bfloat16", **TINY_SHAPE)  # see _warm
-    gguf = root / "model-f16.gguf"
-    if have_llamacpp:
-        write_gguf(hf, gguf, "F16")
-        write_gguf(tiny, tiny.with_suffix(".gguf"), "F16")
-    tok = AutoTokenizer.from_pretrained(hf)
+    files = _prepare(root, contexts, new_tokens, shape, model, gen, have_llamacpp, log)
     ids_files = {}
     for n in contexts:  # tokenize once; every runtime is fed these ids
-        words = n
-        while len(ids := tok(filler_text(words, seed=0))["input_ids"]) < n:
-            words *= 2
+        ids = _prompt_ids(files["tokenizer"], n)
         ids_files[n] = root / f"ids-{n}.json"
-        ids_files[n].write_text(json.dumps(ids[:n]))
+        ids_files[n].write_text(json.dumps(ids))
+    argv = [files["model"], files["gguf"] or "-"]
     if any(name.startswith("ktlong") for name in names):  # compile kernels: measure cached runs
         warm_ids = root / "ids-warm.json"  # a short prompt: the fill must not prefill 128K
         warm_ids.write_text(json.dumps(ids[:1024]))  # the last tokenized prompt's start
-        subprocess.run([sys.executable, "-m", "ktlong.bench.e2e", "ktlong-default", str(hf),
-                        str(gguf), str(warm_ids), "4", str(threads), "1", str(tiny)],
+        subprocess.run([sys.executable, "-m", "ktlong.bench.e2e", "ktlong-default", *argv,
+                        str(warm_ids), "4", str(threads), "1", files["tiny"]],
                        capture_output=True, check=False)
     raw: dict[tuple[str, int], list[dict]] = {}
     for _ in range(repeats):
@@ -330,10 +403,10 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                 if log:
                     log(f"{name} at {n:,} tokens")
                 proc = subprocess.run(
-                    [sys.executable, "-m", "ktlong.bench.e2e", name, str(hf), str(gguf),
+                    [sys.executable, "-m", "ktlong.bench.e2e", name, *argv,
                      str(ids_files[n]), str(new_tokens),
                      str(threads if name.startswith("ktlong") else peer_threads), str(decode_runs),
-                     str(tiny)],
+                     files["tiny"]],
                     capture_output=True, text=True,
                 )
                 row = _parse(proc, name, n)
@@ -342,30 +415,34 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                 raw.setdefault((name, n), []).append(row)
     rows = []
     for n in contexts:
-        ref = raw.get(("transformers", n), [{}])[0].get("out")
+        ref_name = "transformers" if ("transformers", n) in raw else "llamacpp-fa"
+        ref = raw.get((ref_name, n), [{}])[0].get("out")
         for name in names:
             ok = [r for r in raw[(name, n)] if r["status"] == "ok"]
             row = _median_row(ok) if ok else raw[(name, n)][0]
-            if ref is not None and ok and name != "transformers":
+            if ref is not None and ok and name != ref_name:
                 same = 0
                 for a, b in zip(row["out"], ref, strict=False):
                     if a != b:
                         break
                     same += 1
-                row["same_ids_as_transformers"] = same
+                row[f"same_ids_as_{ref_name.split('-')[0]}"] = same
             rows.append(row)
         if wants_llamacpp and not have_llamacpp:
             rows.append(dict(runtime="llamacpp", context=n, status="not installed",
                              note=PEERS_HINT))
     tmp.cleanup()
     return {"threads": threads or f"{peer_threads} (ktlong: idle cores)",
-            "new_tokens": new_tokens, "decode_runs": decode_runs, "model": shape, "rows": rows}
+            "new_tokens": new_tokens, "decode_runs": decode_runs,
+            "model": shape if gen is None and model is None else files["describe"],
+            "origin": files["origin"], "rows": rows}
 
 
 def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: bool = False,
          png: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
          shape: dict[str, int] | None = None, command: str = "",
-         decode_runs: int = DECODE_RUNS) -> None:
+         decode_runs: int = DECODE_RUNS, model: str | None = None,
+         gen: tuple[str, int, str] | None = None) -> None:
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -378,7 +455,7 @@ def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: b
             raise KtlongError("--png needs matplotlib", hint="pip install 'ktlong[plot]'") from None
     log = console.log  # progress on stderr, also under --json
     data = run(sorted(contexts), new_tokens, threads, list(runtimes or RUNTIMES[:4]), repeats,
-               shape, log, decode_runs)
+               shape, log, decode_runs, model, gen)
     if png is not None:
         _plot(data, png, command)
     if as_json:
@@ -393,8 +470,9 @@ def print_table(data: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    model = data["model"]
     table = Table(title=f"end to end, {data['threads']} threads, {data['new_tokens']} new tokens, "
-                        f"random Llama {data['model']}")
+                        + (f"random Llama {model}" if isinstance(model, dict) else model))
     for col in ("context", "runtime", "prefill tok/s", "decode tok/s", "peak RSS (GB)",
                 "RSS - baseline (GB)", "weights+KV (GB)", "blocks read", "same ids"):
         table.add_column(col, justify="right")
@@ -405,16 +483,18 @@ def print_table(data: dict[str, Any]) -> None:
             continue
         wk = r["weights_bytes"] + (r["kv_bytes"] or 0)
         share = r.get("attended_share")
-        same = r.get("same_ids_as_transformers")
+        same = r.get("same_ids_as_transformers", r.get("same_ids_as_llamacpp"))
         table.add_row(
             f"{r['context']:,}", r["runtime"], f"{r['prefill_tok_s']:.0f}",
             f"{r['decode_tok_s']:.1f}", f"{r['peak_rss_bytes'] / 1e9:.2f}",
             f"{(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / 1e9:.2f}", f"{wk / 1e9:.2f}",
             "" if share is None else f"{share:.0%}",
-            "ref" if r["runtime"] == "transformers" else
+            "ref" if r["runtime"] in ("transformers", "llamacpp-fa") and same is None else
             ("" if same is None else f"{same}/{r['new_tokens']}"),
         )
     Console().print(table)
+    if data.get("origin"):
+        Console().print(f"model file: {escape(data['origin'])}")
     if any(r["status"] == "not installed" for r in data["rows"]):
         Console().print(f"llama.cpp: `import llama_cpp` failed; {escape(PEERS_HINT)}")
 
