@@ -261,7 +261,7 @@ def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc_out
         nxt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t,
                           ra[1 - cur], rv[1 - cur])
         # start the next chunk's page walks now, ahead of its prefetches (ad hoc A/Bs: 4-14%
-        # faster over blocks picked from a 1M context; docs/benchmarks.md, session 9)
+        # faster over blocks picked from a 1M context)
         for r in range(0, nxt, step):
             touch(ra[1 - cur, r])
             touch(rv[1 - cur, r])
