@@ -46,7 +46,13 @@ def _range(spec: config.FieldSpec) -> str:
         return "text"
 
     def num(x: float) -> str:
-        return str(int(x)) if spec.kind == "int" else str(x)
+        if spec.kind != "int":
+            return str(x)
+        n = int(x)
+        for suffix, unit in (("M", 1 << 20), ("K", 1 << 10)):
+            if n >= unit and n % unit == 0:
+                return f"{n // unit}{suffix}"  # as the settings accept it: 16M = 16777216
+        return str(n)
 
     if spec.min is not None and spec.max is not None:
         return f"{spec.kind}, {num(spec.min)} to {num(spec.max)}"
