@@ -82,11 +82,23 @@ def idle_cores(interval: float = 0.1) -> float:
     return _last
 
 
+def physical_cores() -> int:
+    """Physical cores this process may run on: psutil's count (hyperthreads not counted), no
+    more than the usable CPUs; at least 1."""
+    import psutil
+
+    return max(1, min(psutil.cpu_count(logical=False) or usable_cores(), usable_cores()))
+
+
 def auto_threads() -> int:
-    """Threads for `threads_num: 0`: the idle cores, rounded, at least 1. A parallel region is
-    as slow as its slowest thread, so a thread on a core another job holds costs far more than
-    it brings (a 2-core machine with one busy core decodes ~4x slower on 2 threads than on 1)."""
-    return max(1, min(usable_cores(), int(idle_cores() + 0.5)))
+    """Threads for `threads_num: 0`: the idle cores, rounded, but never fewer than the physical
+    cores less one (at least 1). A parallel region is as slow as its slowest thread, so a thread
+    on a core another job holds costs far more than it brings (a 2-core machine with one busy
+    core decodes ~4x slower on 2 threads than on 1); the floor keeps a short burst of other work
+    at the moment of measuring from leaving most of a bigger machine idle. An explicit
+    `threads_num` bypasses all of this."""
+    floor = max(1, physical_cores() - 1)
+    return max(floor, min(usable_cores(), int(idle_cores() + 0.5)))
 
 
 def use_threads() -> int:

@@ -23,6 +23,7 @@ from ktlong.config import (
     CHUNK_AUTO,
     FIELDS,
     Resolved,
+    Settings,
     parse_int,
     resolve_settings,
     unknown_key,
@@ -50,7 +51,8 @@ DeviceOpt = Annotated[str | None, typer.Option(
     "--device", metavar="AUTO|CPU|CUDA", show_default=False, help="Where the model runs.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", "-t", show_default=False,
-    help="CPU threads (0 = the cores idle when a prefill or an answer starts).")]
+    help="CPU threads (0 = the cores idle when a prefill or an answer starts, at least the "
+         "physical cores less one).")]
 
 
 def overrides(sets: list[str] | None = None, **flags: Any) -> dict[str, Any]:
@@ -142,7 +144,7 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
     if model is not None:
         from ktlong.model import read_spec
 
-        spec = read_spec(model)
+        spec = read_spec(model, need_weights=False)
     else:
         spec = memory.REFERENCE
     free_gpu = None if res.settings.device == "CPU" else memory.free_gpu_bytes()
@@ -206,14 +208,17 @@ def chat(model: ModelOpt = None,
              metavar="TOKENS", help="Size of the --demo document, e.g. 32K.")] = "16K") -> None:
     """Chat about a long document: read it once, then ask (type /help in the chat)."""
     from ktlong import chat as chat_mod
+    from ktlong.promptcache import cache_root
 
-    if demo:
-        model, prompt_file = _demo_inputs(model, prompt_file, demo_tokens)
     res = resolve(profile, sets, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_p=top_p, top_k=top_k, seed=seed, max_seq_len=max_seq_len, kv_type=kv_type,
                   device=device, threads_num=threads,
                   cache_dir=str(cache_dir) if cache_dir else None)
     cdir = Path(res.settings.cache_dir).expanduser() if res.settings.cache_dir else None
+    if not no_cache:
+        cache_root(res.settings, cdir)  # a file, not a folder: refused before anything slow
+    if demo:
+        model, prompt_file = _demo_inputs(model, prompt_file, demo_tokens, res.settings)
     code = chat_mod.run(model, prompt_file, res.settings, system=system, questions=questions or [],
                         as_json=as_json, show_prompt_ids=show_prompt_ids, encoding=encoding,
                         use_cache=not no_cache, cache_dir=cdir)
@@ -221,8 +226,10 @@ def chat(model: ModelOpt = None,
         raise typer.Exit(code)
 
 
-def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str) -> tuple[Path, str]:
-    """`chat --demo`: the shipped model (unless --model) and a generated document; what to ask."""
+def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str,
+                 st: Settings) -> tuple[Path, str]:
+    """`chat --demo`: the shipped model (unless --model) and a generated document; what it
+    costs (refused when it does not fit); what to ask."""
     from ktlong import demo
 
     if prompt_file:
@@ -233,6 +240,9 @@ def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str) -> tu
     except ValueError:
         raise KtlongError(f"--demo-tokens {tokens!r}: expected a number like 16384 or 16K") \
             from None
+    exact = st.prefill == "DENSE" or (st.prefill == "WINDOW" and st.prefill_window == 0)
+    cost = demo.cost(n, st.kv_type, model, st.threads_num, not exact, st.max_seq_len)
+    typer.echo(f"demo: {n:,} tokens cost {cost}", err=True)
     d = demo.prepare(n)
     typer.echo(f"demo: a {n:,}-token document ({d.document}) with facts hidden in filler prose; "
                "ask:", err=True)
@@ -266,9 +276,11 @@ def prefill(model: ModelOpt = None,
     if not prompt_file:
         raise KtlongError("no document given", hint="pass --prompt-file FILE (or - for stdin)")
     from ktlong.prefill import run
+    from ktlong.promptcache import cache_root
 
     res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
                   threads_num=threads)
+    cache_root(res.settings, cache_dir)  # a file, not a folder: refused before anything slow
     run(model, prompt_file, res.settings, system=system, encoding=encoding, cache_dir=cache_dir,
         as_json=as_json)
 

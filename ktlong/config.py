@@ -51,6 +51,7 @@ def _f(kind: str, default: Any, group: str, description: str, lo: float | None =
 
 
 _KV_TYPES = ("BF16", "FP16", "FP32")
+MAX_SEQ_LEN = 1 << 24  # 16M tokens: beyond any model's context (a larger number is a typo)
 CHUNK_AUTO = {False: 1024, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
 _ANCHORS = ("DYNAMIC", "MAX", "MEAN", "QUEST", "FIX")
 
@@ -62,7 +63,7 @@ class Settings:
 
     # memory
     max_seq_len: int = _f("int", 131072, "memory", "Most tokens the KV cache holds (document + "
-                          "chat)", 1)
+                          "chat)", 1, MAX_SEQ_LEN)
     kv_type: str = _f("enum", "BF16", "memory", "Precision of the stored K and V",
                       choices=_KV_TYPES)
     chunk_size: int = _f("int", 0, "memory", "Prefill chunk in tokens; bigger needs more memory "
@@ -76,7 +77,8 @@ class Settings:
                           "quantised tensors are read in place, a 16-bit checkpoint stays 16-bit",
                           choices=("AUTO", "BF16", "FP16", "FP32"))
     threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
-                          "idle when a prefill or an answer starts", 0)
+                          "idle when a prefill or an answer starts, at least the physical cores "
+                          "less one", 0)
     # sparse attention
     attention: str = _f("enum", "SPARSE", "sparse attention", "SPARSE picks KV blocks per step; "
                         "DENSE reads every token (exact)", choices=("SPARSE", "DENSE"))

@@ -47,12 +47,10 @@ def load_quantised(path: str, config: Any, dtype: Any, attn: str) -> tuple[Any, 
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from ktlong.model import open_gguf
     from ktlong.weights import QuantEmbedding, QuantLinear, _replace
 
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # damaged or truncated: the reader raises assorted errors
-        raise KtlongError(f"{path} is not a readable GGUF file: {e}") from None
+    reader = open_gguf(path)  # a truncated or damaged file: one clear line
     tensors = {t.name: t for t in reader.tensors}
     arch = gguf.MODEL_ARCH[_ARCH[config.model_type]]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)

@@ -32,7 +32,7 @@ def model_info(path: str | Path, kv_type: str) -> dict[str, Any]:
     from ktlong.memory import kv_bytes_per_token
     from ktlong.model import read_spec
 
-    spec = read_spec(path)
+    spec = read_spec(path, need_weights=False)  # metadata is enough
     scaling = spec.rope_scaling or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     return {
@@ -43,6 +43,7 @@ def model_info(path: str | Path, kv_type: str) -> dict[str, Any]:
         "vocab_size": spec.vocab_size, "max_positions": spec.max_positions,
         "rope": {"type": rope_type, "theta": spec.rope_theta, "scaling": spec.rope_scaling},
         "weight_types": spec.weight_types, "weights_bytes": spec.weights_bytes,
+        "weights_estimated": spec.weights_estimated,
         "has_chat_template": spec.has_chat_template,
         "kv_type": kv_type, "kv_bytes_per_token": kv_bytes_per_token(spec, kv_type),
         "fingerprint": spec.fingerprint,
@@ -80,7 +81,9 @@ def show_model(path: Path, kv_type: str, as_json: bool) -> None:
         ("RoPE", f"{rope['type']}, base {rope['theta']:g}" + (f", {scaling}" if scaling else "")),
         ("max positions", f"{info['max_positions']:,}"),
         ("weights", f"{gb(info['weights_bytes'])} loaded: " + ", ".join(
-            f"{n} x {t}" for t, n in sorted(info["weight_types"].items(), key=lambda x: -x[1]))),
+            f"{n} x {t}" for t, n in sorted(info["weight_types"].items(), key=lambda x: -x[1]))
+            if not info["weights_estimated"] else f"~{gb(info['weights_bytes'])} loaded "
+            "(an estimate from config.json: the folder has no weight files)"),
         ("chat template", "yes" if info["has_chat_template"] else "[red]no[/] (plain prompts)"),
         ("KV per token", f"{info['kv_bytes_per_token']:,} bytes ({info['kv_type']}); "
                          f"{gb(info['kv_bytes_per_token'] * 131072)} per 128K tokens"),

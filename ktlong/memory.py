@@ -16,6 +16,8 @@ from typing import Any
 
 import psutil
 
+from ktlong.config import MAX_SEQ_LEN
+
 GIB = 1024**3
 OS_RESERVE = 2 * GIB  # OS + Python + torch
 KV_MARGIN = 0.10  # anchors, partial blocks, the chat's own turns
@@ -62,10 +64,10 @@ def gpu_need(spec: Any, kv_type: str, tokens: int) -> int:
 def recommend_max_seq_len(spec: Any, kv_type: str, free_bytes: int,
                           weights_in_dram: bool = True) -> int:
     """Largest multiple of 1024 tokens whose `dram_need` fits in `free_bytes`, capped at the
-    model's own max positions; 0 when not even 1024 tokens fit."""
+    model's own max positions and the largest max_seq_len; 0 when not even 1024 tokens fit."""
     usable = free_bytes - OS_RESERVE - (spec.weights_bytes if weights_in_dram else 0)
     per_token = kv_bytes_per_token(spec, kv_type) * (1 + KV_MARGIN)
-    tokens = max(int(usable / per_token) // 1024 * 1024, 0)
+    tokens = max(min(int(usable / per_token), MAX_SEQ_LEN) // 1024 * 1024, 0)
     if spec.max_positions and spec.max_positions > 0:
         tokens = min(tokens, spec.max_positions)
     return tokens
@@ -189,6 +191,7 @@ def report(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None) -> dic
         "kv_type": kv_type,
         "kv_bytes_per_token": kv_bytes_per_token(spec, kv_type),
         "weights_bytes": spec.weights_bytes,
+        "weights_estimated": getattr(spec, "weights_estimated", False),  # no weight files
         "weights_on": "GPU" if gpu else "DRAM",
         "free_dram_bytes": free_dram,
         "free_gpu_bytes": free_gpu,

@@ -49,13 +49,18 @@ class ModelSpec:
     has_chat_template: bool = False
     fingerprint: str = ""  # weights + config: changes when the numbers change
     tokenizer_fingerprint: str = ""
+    weights_estimated: bool = False  # an HF folder without weights: sizes from config.json
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def read_spec(path: str | os.PathLike[str]) -> ModelSpec:
-    """Read a model's shape from an HF folder or a GGUF file without reading tensor data."""
+def read_spec(path: str | os.PathLike[str], need_weights: bool = True) -> ModelSpec:
+    """Read a model's shape from an HF folder or a GGUF file without reading tensor data.
+
+    An HF folder without weight files is refused unless `need_weights` is False (memcheck,
+    inspect model): then the parameter count and size are estimated from config.json.
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise KtlongError(
@@ -66,7 +71,7 @@ def read_spec(path: str | os.PathLike[str]) -> ModelSpec:
         ggufs = sorted(p.glob("*.gguf"))
         if not (p / "config.json").exists() and len(ggufs) == 1:
             return _read_gguf_spec(ggufs[0])
-        return _read_hf_spec(p)
+        return _read_hf_spec(p, need_weights)
     if p.suffix.lower() == ".gguf":
         return _read_gguf_spec(p)
     raise KtlongError(
@@ -125,7 +130,28 @@ def _tokenizer_fingerprint(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_hf_spec(folder: Path) -> ModelSpec:
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def _config_params(cfg: dict[str, Any], arch: str, head_dim: int) -> int:
+    """Parameters of a llama-family model from its config alone (what its safetensors hold)."""
+    hidden, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    n_heads = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+    inter = int(cfg.get("intermediate_size", 0))
+    q, kv = n_heads * head_dim, n_kv * head_dim
+    layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter + 2 * hidden  # + 2 norms
+    if arch == "qwen2" or cfg.get("attention_bias"):
+        layer += q + 2 * kv + (hidden if cfg.get("attention_bias") else 0)
+    if cfg.get("mlp_bias"):
+        layer += 2 * inter + hidden
+    if arch == "qwen3":
+        layer += 2 * head_dim  # q_norm, k_norm
+    embed = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return int(cfg["num_hidden_layers"]) * layer + embed + hidden  # + the final norm
+
+
+def _read_hf_spec(folder: Path, need_weights: bool = True) -> ModelSpec:
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise KtlongError(
@@ -160,14 +186,24 @@ def _read_hf_spec(folder: Path) -> ModelSpec:
                 count *= s
             n_params += count
         _file_fingerprint(h, w, header_len=8 + len(json.dumps(header)))
-    if not weights:
-        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
-        if not pickles:
-            raise KtlongError(f"{folder} has no weights (*.safetensors)")
-        for w in pickles:
-            n_bytes += w.stat().st_size
-            _file_fingerprint(h, w)
+    pickles = [] if weights else sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+    for w in pickles:
+        n_bytes += w.stat().st_size
+        _file_fingerprint(h, w)
+    if pickles:
         types["pickle"] = len(pickles)
+    estimated = not weights and not pickles
+    if estimated and need_weights:
+        raise KtlongError(
+            f"{folder} has no weights: config.json but no *.safetensors files",
+            hint="download the model's *.safetensors files into it (`ktlong memcheck` and "
+                 "`ktlong inspect model` work without them)",
+        )
+    if estimated:  # metadata only: size from the config's shape and dtype
+        n_params = _config_params(text_cfg, arch, head_dim)
+        dtype = str(text_cfg.get("torch_dtype") or text_cfg.get("dtype")
+                    or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        n_bytes = n_params * _DTYPE_BYTES.get(dtype.removeprefix("torch."), 2)
 
     tok_cfg = folder / "tokenizer_config.json"
     has_template = (folder / "chat_template.jinja").exists() or (
@@ -200,6 +236,7 @@ def _read_hf_spec(folder: Path) -> ModelSpec:
         has_chat_template=has_template,
         fingerprint=h.hexdigest()[:16],
         tokenizer_fingerprint=_tokenizer_fingerprint(folder),
+        weights_estimated=estimated,
     )
 
 
@@ -211,21 +248,145 @@ def _gguf_value(reader: Any, key: str, default: Any = None) -> Any:
     return v
 
 
-def _read_gguf_spec(path: Path) -> ModelSpec:
+class _HeaderCut(Exception):
+    """A GGUF header that runs past the end of its file."""
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                 11: "q", 12: "d"}  # GGUF value type -> struct format
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_expected_size(buf: Any, size: int) -> int:
+    """The bytes a GGUF file must have, from its header alone: where its last tensor's data ends.
+
+    Raises _HeaderCut where the header itself runs past `size`, ValueError where it is not a
+    GGUF header or makes no sense (an unknown type, more items than the file has bytes).
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        n = struct.calcsize(fmt)
+        if pos + n > size:
+            raise _HeaderCut
+        v = struct.unpack_from(fmt, buf, pos)
+        pos += n
+        return v[0] if len(v) == 1 else v
+
+    def skip(n: int) -> None:
+        nonlocal pos
+        if pos + n > size:
+            raise _HeaderCut
+        pos += n
+
+    def count() -> int:
+        n = take("<Q")
+        if n > size:
+            raise ValueError(f"a length of {n:,} in a file of {size:,} bytes")
+        return n
+
+    def value(vtype: int) -> Any:
+        if vtype == _GGUF_STRING:
+            n = count()
+            skip(n)
+            return bytes(buf[pos - n:pos])
+        if vtype == _GGUF_ARRAY:
+            itype, n = take("<I"), count()
+            if itype in _GGUF_SCALARS:
+                skip(n * struct.calcsize(_GGUF_SCALARS[itype]))
+            else:
+                for _ in range(n):
+                    value(itype)
+            return None
+        if vtype not in _GGUF_SCALARS:
+            raise ValueError(f"unknown value type {vtype} in the header")
+        return take("<" + _GGUF_SCALARS[vtype])
+
+    if take("<4s") != b"GGUF":
+        raise ValueError("it does not start with 'GGUF'")
+    version = take("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (ktlong reads 2 and 3)")
+    n_tensors, n_kv = count(), count()
+    alignment = 32
+    for _ in range(n_kv):
+        k, v = value(_GGUF_STRING), value(take("<I"))
+        if k == b"general.alignment" and isinstance(v, int) and v > 0:
+            alignment = v
+    tensors = []
+    for _ in range(n_tensors):
+        value(_GGUF_STRING)
+        n_dims = take("<I")
+        if n_dims > 8:
+            raise ValueError(f"a tensor of {n_dims} dimensions")
+        dims = [take("<Q") for _ in range(n_dims)]
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(take("<I"))]
+        except (ValueError, KeyError):
+            raise ValueError("a tensor of unknown type") from None
+        n = 1
+        for d in dims:
+            n *= d
+        tensors.append(take("<Q") + n // block * type_size)
+    if not tensors:
+        return pos
+    return -(-pos // alignment) * alignment + max(tensors)
+
+
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+    """A `gguf.GGUFReader` over the file, or one clear line on what is wrong with it: truncated
+    (its size against the size its header gives), not a GGUF file, or otherwise damaged."""
+    import mmap
+
     import gguf  # light: numpy only
 
+    p = Path(path)
+    fix = "download or copy the file again"
+    with open(p, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise KtlongError(f"{p} is empty (0 bytes), not a GGUF model", hint=fix)
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                expected = gguf_expected_size(m, size)
+        except _HeaderCut:
+            raise KtlongError(f"{p} is truncated or damaged: its GGUF header runs past the end "
+                              f"of the file ({size:,} bytes)", hint=fix) from None
+        except ValueError as e:
+            raise KtlongError(f"{p} is not a valid GGUF file: {e}",
+                              hint=f"it is damaged or not a GGUF model; {fix}") from None
+    if size < expected:
+        raise KtlongError(f"{p} is truncated: {size:,} bytes, but its header says {expected:,}",
+                          hint=fix)
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # the reader raises ValueError/struct errors on damaged files
-        raise KtlongError(f"{path} is not a readable GGUF file: {e}") from None
+        return gguf.GGUFReader(str(p), "r")
+    except Exception as e:  # the reader raises assorted errors on damaged files
+        first = (str(e).splitlines() or [""])[0]
+        raise KtlongError(f"{p} is damaged: the GGUF reader failed ({type(e).__name__}: "
+                          f"{first})", hint=fix) from None
+
+
+def _read_gguf_spec(path: Path) -> ModelSpec:
+    reader = open_gguf(path)
     arch = _gguf_value(reader, "general.architecture", "")
     _check_arch(arch, path)
 
     def key(k: str, default: Any = None) -> Any:
         return _gguf_value(reader, f"{arch}.{k}", default)
 
-    n_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def need(k: str) -> int:
+        v = key(k)
+        if v is None:
+            raise KtlongError(f"{path} has no {arch}.{k} in its metadata",
+                              hint="the file is damaged or from a converter ktlong does not "
+                                   "know; convert the model again")
+        return int(v)
+
+    n_heads = need("attention.head_count")
+    hidden = need("embedding_length")
     head_dim = int(key("attention.key_length", hidden // n_heads))
     tokens = reader.get_field("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else 0
@@ -260,7 +421,7 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
         path=str(path),
         format="gguf",
         arch=arch,
-        n_layers=int(key("block_count")),
+        n_layers=need("block_count"),
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         head_dim=head_dim,
@@ -297,9 +458,7 @@ class LoadedModel:
 def _complete_gguf_tokenizer(tokenizer: Any, path: str) -> None:
     """Chat template and BOS/EOS/PAD from the GGUF's own metadata where transformers left
     them unset (a template's `{{ bos_token }}` would otherwise render as nothing)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path, "r")
+    reader = open_gguf(path)
     field_ = reader.get_field("tokenizer.chat_template")
     if field_ is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = field_.contents()

@@ -59,7 +59,18 @@ class Opened:
 
 
 def cache_root(settings: Settings, cache_dir: Path | None = None) -> Path:
-    return Path(cache_dir or settings.cache_dir or ktlong_home() / "cache").expanduser()
+    """The prompt cache folder (`cache_dir`, else the setting, else KTLONG_HOME/cache); refused
+    in one line when it, or a folder above it, is a file."""
+    root = Path(cache_dir or settings.cache_dir or ktlong_home() / "cache").expanduser()
+    up = root
+    while not up.exists() and up.parent != up:
+        up = up.parent
+    if up.exists() and not up.is_dir():
+        what = "" if up == root else f" cannot be made: {up}"
+        raise KtlongError(f"the prompt cache folder {root}{what} is a file, not a folder",
+                          hint="pass --cache-dir a folder (or set cache_dir in config.yaml to "
+                               "one), or move the file away")
+    return root
 
 
 def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:

@@ -40,8 +40,10 @@ def memcheck(r: dict[str, Any], configured: int, written: str | None) -> None:
     out.print(f"{r['n_layers']} layers x {r['n_kv_heads']} KV heads x head_dim {r['head_dim']}, "
               f"{r['kv_type']} KV: [bold]{r['kv_bytes_per_token']:,} bytes per token[/] "
               f"({memory.gb(r['kv_bytes_per_token'] * 131072)} per 128K tokens)")
-    out.print(f"weights {memory.gb(r['weights_bytes'])} (in {r['weights_on']}), free DRAM "
-              f"{memory.gb(r['free_dram_bytes'])}, "
+    estimate = ("~", ", an estimate from config.json: the folder has no weight files") \
+        if r.get("weights_estimated") else ("", "")
+    out.print(f"weights {estimate[0]}{memory.gb(r['weights_bytes'])} (in {r['weights_on']}"
+              f"{estimate[1]}), free DRAM {memory.gb(r['free_dram_bytes'])}, "
               + ("no CUDA GPU" if gpu is None else f"free GPU {memory.gb(gpu)}"))
     table = Table("context", "tokens", "KV cache", "DRAM need", "fits",
                   *(("GPU prefill peak", "fits GPU") if gpu is not None else ()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numba
+import psutil
 import pytest
 import torch
 from ktlong.kernels import threads
@@ -43,7 +44,25 @@ def test_idle_cores_on_this_machine_is_within_the_usable_cores():
 @pytest.mark.parametrize("idle, want", [(0.2, 1), (1.0, 1), (1.6, 2), (64.0, None)])
 def test_auto_threads_rounds_the_idle_cores(monkeypatch, idle, want):
     monkeypatch.setattr(threads, "idle_cores", lambda interval=0.1: idle)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 1)  # no floor above 1
     assert threads.auto_threads() == (want or threads.usable_cores())
+
+
+@pytest.mark.parametrize("physical, usable, idle, want",
+                         [(2, 2, 0.0, 1), (2, 2, 0.4, 1), (2, 2, 2.0, 2), (4, 4, 0.3, 3),
+                          (8, 16, 1.0, 7), (8, 16, 12.0, 12), (1, 1, 0.0, 1)])
+def test_auto_threads_never_below_physical_cores_less_one(monkeypatch, physical, usable, idle,
+                                                          want):
+    """Under load the idle-core probe can read near 0: the pick still keeps (physical - 1)."""
+    monkeypatch.setattr(threads, "idle_cores", lambda interval=0.1: idle)
+    monkeypatch.setattr(threads, "usable_cores", lambda: usable)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: usable if logical else physical)
+    assert threads.physical_cores() == physical
+    assert threads.auto_threads() == want
+
+
+def test_physical_cores_is_within_the_usable_cores():
+    assert 1 <= threads.physical_cores() <= threads.usable_cores()
 
 
 def test_session_takes_idle_cores_unless_threads_num_is_set(monkeypatch):
@@ -51,6 +70,7 @@ def test_session_takes_idle_cores_unless_threads_num_is_set(monkeypatch):
         pytest.skip("needs 2 Numba threads")  # the point is 1 vs 2
     lm = load_model(hf_model("llama", qk_scale=4.0), device="CPU", dtype="float32")
     monkeypatch.setattr(threads, "idle_cores", lambda interval=0.1: 1.0)  # one core busy
+    monkeypatch.setattr(threads, "physical_cores", lambda: 2)  # a 2-core machine: floor 1
     s = Session(lm, settings(threads_num=0))
     s.prefill(list(range(5, 40)))
     assert s.threads == 1 and s.stats.threads == 1
@@ -60,3 +80,10 @@ def test_session_takes_idle_cores_unless_threads_num_is_set(monkeypatch):
     pinned = Session(lm, settings(threads_num=2))
     pinned.prefill(list(range(5, 40)))
     assert pinned.threads == 2 and torch.get_num_threads() == 2
+    # an explicit count is kept even below the automatic floor (physical cores less one)
+    monkeypatch.setattr(threads, "physical_cores", lambda: 3)
+    monkeypatch.setattr(threads, "idle_cores", lambda interval=0.1: 0.0)
+    assert threads.auto_threads() == 2
+    one = Session(lm, settings(threads_num=1))
+    one.prefill(list(range(5, 40)))
+    assert one.threads == 1 and torch.get_num_threads() == 1
