@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -41,10 +42,17 @@ def cache_dir(folder: Path = _HERE) -> Path:
     return home / "numba-cache" / source_hash(folder)
 
 
-def cache_is_cold(folder: Path = _HERE) -> bool:
-    """Whether no kernel of the current sources is compiled on disk yet (the first run of a
-    version compiles them all: tens of seconds)."""
-    return not any(cache_dir(folder).rglob("*.nbi"))  # Numba files them in a subfolder
+def cache_is_cold(folder: Path = _HERE, parts: Iterable[str] | None = None) -> bool:
+    """Whether kernels of the current sources still have to compile (tens of seconds).
+
+    With `parts` (names of warm-up sets, see `ktlong.warmup`: decode attention for a KV type,
+    sparse prefill, one weight type...): whether any of them is not compiled here yet (a set
+    leaves the marker `cache_dir()/warm/<name>` once its kernels are). Without: whether no kernel
+    at all is compiled on disk yet."""
+    d = cache_dir(folder)
+    if parts is not None:
+        return any(not (d / "warm" / p).exists() for p in parts)
+    return not any(d.rglob("*.nbi"))  # Numba files them in a subfolder
 
 
 def _threading_layer() -> str:

@@ -206,7 +206,9 @@ def topk_sorted(x: np.ndarray, k: int) -> np.ndarray:
         return np.zeros((x.shape[0], 0), np.int32)
     idx = np.argpartition(-x, k - 1, axis=1)[:, :k] if k < x.shape[1] else \
         np.broadcast_to(np.arange(x.shape[1]), x.shape)
-    return np.sort(idx, axis=1).astype(np.int32)
+    # C order whatever x's strides (a reversed or sliced view sorts to F order): one signature
+    # for the index kernels
+    return np.ascontiguousarray(np.sort(idx, axis=1), dtype=np.int32)
 
 
 @njit(cache=True)

@@ -205,16 +205,14 @@ class ChatLoop:
                 s.truncate(len(s.tokens))  # a forward cut short may have written some layers
 
     def _tell_if_kernels_compile(self) -> None:
-        """Before the first prefill: say why the first answer will pause if no kernel of this
-        version is compiled yet (they compile on first use and are cached)."""
+        """Before the first prefill: compile (or load) every kernel this chat runs, saying so
+        first when some are not compiled yet (ktlong.warmup), so no answer pauses for them."""
         if self._kernels_told:
             return
         self._kernels_told = True
-        from ktlong import kernels
+        from ktlong.warmup import warm_up
 
-        if kernels.cache_is_cold():
-            self.ui.note("first run of this ktlong version: its CPU kernels compile on first use "
-                         f"(about half a minute, once; cached in {kernels.cache_dir()})")
+        warm_up(self.lm, self.settings, note=self.ui.note)
 
     def answer(self, question: str) -> Answer | None:
         """Ask and render; Ctrl-C stops the answer (None if it stopped before the first token)."""

@@ -416,16 +416,29 @@ def test_save_and_load_resume_a_conversation(lm) -> None:
 
 @pytest.mark.parametrize("cold", [True, False])
 def test_first_run_of_a_version_says_the_kernels_compile(lm, monkeypatch, cold):
-    """With no compiled kernel of this version on disk, the first prefill notes the coming pause
-    once (a /reset reopens without repeating it); with them, nothing is said."""
-    from ktlong import kernels
+    """With kernels of this run not compiled yet, the chat compiles them before the first
+    prefill and says so once (a /reset reopens without repeating it); with them, nothing is
+    said."""
+    from ktlong import kernels, warmup
 
-    monkeypatch.setattr(kernels, "cache_is_cold", lambda: cold)
+    monkeypatch.setattr(kernels, "cache_is_cold", lambda *a, **kw: cold)
+    monkeypatch.setattr(warmup, "_done", set())  # as in a new process
     ui = UI()
     loop = make_loop(lm, ui)
     loop.handle("/reset")
     loop.answer(QUESTIONS[0])
-    assert ui.text()[1].count("CPU kernels compile on first use") == (1 if cold else 0)
+    assert ui.text()[1].count("compiling kernels, once") == (1 if cold else 0)
+
+
+def test_cache_is_cold_for_parts_until_warmed(tmp_path, monkeypatch):
+    from ktlong import kernels
+
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    assert kernels.cache_is_cold(parts=["decode-x"])
+    (kernels.cache_dir() / "warm").mkdir(parents=True)
+    (kernels.cache_dir() / "warm" / "decode-x").write_text("1.0\n")
+    assert not kernels.cache_is_cold(parts=["decode-x"])
+    assert kernels.cache_is_cold(parts=["decode-x", "weights-Q4_K-k11"])
 
 
 def test_cache_is_cold_until_a_kernel_is_filed(tmp_path, monkeypatch):

@@ -1,0 +1,319 @@
+"""Compile every Numba kernel a run will use before anything is timed, and keep compile time out
+of the timings.
+
+A kernel compiles (2–4 s a signature; tens of seconds for a whole run) the first time it meets a
+new signature, and is then loaded from Numba's on-disk cache (`ktlong.kernels.cache_dir()`). So
+that the first prefill and the first decode step of a new version (or a new model's weight types)
+do not pay it, `warm_up(lm, settings)` — called by every `Session` before its first prefill, and by
+the chat before it reads the document — runs each kernel once on tiny inputs through the same code
+(store, selection policy, attention router, weight modules) the run uses, so the signatures are
+the run's own. Warm-up is split into parts (decode attention for a KV type and anchor type, sparse
+prefill for the patterns of the plan, GEMV/dequant for one weight type); a part warmed once leaves
+a marker beside the compiled kernels, and a part without one is announced first ("compiling
+kernels, once, ~N s").
+
+`compile_seconds()` is the running total of time spent compiling in this process (Numba's
+`numba:compile` events); the engine subtracts what accrues during a prefill or a decode from its
+stats, so a signature the warm-up missed still never shows up as slow tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from numba.core import event
+
+Note = Callable[[str], None]
+
+# seconds a cold part takes to compile on a 2-core machine (refined by the measured times kept in
+# <numba-cache>/warmup-times.json, which outlive a version's cache folder)
+ESTIMATE_S = {"decode": 80.0, "prefill": 35.0, "weights": 5.0}
+
+_lock = threading.RLock()
+_done: set[str] = set()  # parts warmed in this process
+
+
+class _CompileClock(event.Listener):
+    """Sums the wall time of outermost Numba compilations (nested ones are inside them)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._depth = 0
+        self._t0 = 0.0
+
+    def on_start(self, ev: Any) -> None:
+        if self._depth == 0:
+            self._t0 = time.perf_counter()
+        self._depth += 1
+
+    def on_end(self, ev: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.total += time.perf_counter() - self._t0
+
+
+_CLOCK = _CompileClock()
+event.register("numba:compile", _CLOCK)  # compiles run under Numba's global lock: one at a time
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling Numba kernels so far."""
+    return _CLOCK.total
+
+
+def compile_stats() -> tuple[int, int]:
+    """(signatures loaded from the disk cache, signatures compiled) over every kernel imported."""
+    hits = misses = 0
+    for d in _dispatchers():
+        st = d.stats
+        hits += sum(st.cache_hits.values())
+        misses += sum(st.cache_misses.values())
+    return hits, misses
+
+
+def _dispatchers() -> Iterator[Any]:
+    from numba.core.registry import CPUDispatcher
+
+    seen: set[int] = set()
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("ktlong.kernels") or mod is None:
+            continue
+        for obj in vars(mod).values():
+            if isinstance(obj, CPUDispatcher) and id(obj) not in seen:
+                seen.add(id(obj))
+                yield obj
+
+
+# --- parts ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Part:
+    key: str  # names the signatures it compiles (its marker's name)
+    kind: str  # decode | prefill | weights (for the estimate)
+    run: Callable[[], None]
+
+
+def parts(lm: Any, settings: Any) -> list[Part]:
+    """What `warm_up` would run for this model and settings, in order."""
+    s = settings
+    local = bool(s.gpu_local_window and lm.device.type == "cuda")
+    out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{int(s.preselect_block)}"
+                f"-local{int(local)}", "decode", lambda: _attention(lm, s, None))]
+    if s.prefill == "MINFERENCE":
+        from ktlong.minference import resolve_plan
+
+        kinds = sorted({p.kind for row in resolve_plan(lm.spec, s).layers for p in row})
+        out.append(Part(f"prefill-{s.kv_type}-{'+'.join(kinds)}-{lm.device.type}", "prefill",
+                        lambda: _attention(lm, s, kinds)))
+    for key, fn in _weight_parts(lm.model).items():
+        out.append(Part(key, "weights", fn))
+    return out
+
+
+def _marker(key: str) -> Path:
+    from ktlong import kernels
+
+    return kernels.cache_dir() / "warm" / key
+
+
+def cold_parts(lm: Any, settings: Any) -> list[Part]:
+    """The parts whose kernels this version has not compiled here yet."""
+    from ktlong import kernels
+
+    return [p for p in parts(lm, settings)
+            if p.key not in _done and kernels.cache_is_cold(parts=[p.key])]
+
+
+def _times_file() -> Path:
+    from ktlong import kernels
+
+    return kernels.cache_dir().parent / "warmup-times.json"
+
+
+def _estimate(cold: list[Part]) -> float:
+    try:
+        known = json.loads(_times_file().read_text())
+    except (OSError, ValueError):
+        known = {}
+    return sum(float(known.get(p.kind, ESTIMATE_S[p.kind])) for p in cold)
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def warm_up(lm: Any, settings: Any, note: Note | None = None) -> float:
+    """Load or compile every kernel `lm` under `settings` will run (once per process and
+    configuration); says so through `note` (default: a line on stderr) when some must compile.
+    Returns the seconds spent compiling."""
+    with _lock:
+        todo = [p for p in parts(lm, settings) if p.key not in _done]
+        if not todo:
+            return 0.0
+        cold = [p for p in todo if p.key in {c.key for c in cold_parts(lm, settings)}]
+        if cold:
+            from ktlong import kernels
+
+            (note or _stderr)(f"compiling kernels, once, ~{_estimate(cold):.0f} s "
+                              f"(cached in {kernels.cache_dir()})")
+        c0 = compile_seconds()
+        for p in todo:
+            t0 = compile_seconds()
+            p.run()
+            _done.add(p.key)
+            if p in cold:
+                _mark(p, compile_seconds() - t0)
+        return compile_seconds() - c0
+
+
+def _mark(p: Part, seconds: float) -> None:
+    try:
+        m = _marker(p.key)
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.write_text(f"{seconds:.1f}\n")
+        if seconds > 1.0:  # a real compile: keep it as the next version's estimate
+            f = _times_file()
+            try:
+                known = json.loads(f.read_text())
+            except (OSError, ValueError):
+                known = {}
+            known[p.kind] = round(seconds, 1)
+            tmp = f.with_name(f"{f.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, f)
+    except OSError:
+        pass  # an unwritable cache: the next run says it compiles again
+
+
+def work_clock() -> float:
+    """`time.perf_counter()` less the compile time so far: intervals on it leave compiling out
+    (for benchmarks that time with their own stamps)."""
+    return time.perf_counter() - compile_seconds()
+
+
+@contextmanager
+def no_compile_time(out: dict[str, float]) -> Iterator[None]:
+    """Time a block: `out["s"]` is its wall time less what Numba spent compiling inside it."""
+    t0, c0 = time.perf_counter(), compile_seconds()
+    try:
+        yield
+    finally:
+        out["s"] = max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))
+
+
+# --- weights -------------------------------------------------------------------------------------
+def _weight_parts(model: Any) -> dict[str, Callable[[], None]]:
+    """One warm-up per distinct weight kernel signature: decode GEMV (one row), prefill tiles
+    (two rows) and embedding rows, on the first two rows of a real tensor of each type."""
+    from ktlong.weights import HalfLinear, QuantEmbedding, QuantLinear
+
+    out: dict[str, Callable[[], None]] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            k = mod.in_features
+            out.setdefault(f"weights-{mod.qt.name}-k{k % 256 == 0:d}{k % 64 == 0:d}",
+                           lambda m=mod: _quant_linear(m))
+        elif isinstance(mod, QuantEmbedding):
+            out.setdefault(f"weights-emb-{mod.table.qt.name}", lambda m=mod: _quant_embedding(m))
+        elif isinstance(mod, HalfLinear):
+            out.setdefault(f"weights-{str(mod.half).removeprefix('torch.')}",
+                           lambda m=mod: _half_linear(m))
+    return out
+
+
+def _quant_linear(mod: Any) -> None:
+    from ktlong.weights import QuantLinear
+
+    small = QuantLinear(mod.raw[:2], mod.qt.name, mod.in_features)
+    with torch.inference_mode():
+        small(torch.zeros(1, mod.in_features))  # decode: (q)gemv
+        small(torch.zeros(2, mod.in_features))  # prefill: dequantised tiles
+
+
+def _quant_embedding(mod: Any) -> None:
+    from ktlong.weights import QuantEmbedding, QuantLinear
+
+    t = mod.table
+    small = QuantLinear(t.raw[:2], t.qt.name, t.in_features)
+    with torch.inference_mode():
+        QuantEmbedding(small, torch.float32)(torch.zeros(2, dtype=torch.long))
+
+
+def _half_linear(mod: Any) -> None:
+    from ktlong.weights import HalfLinear
+
+    small = HalfLinear(mod.bits[:2], None, mod.half)
+    with torch.inference_mode():
+        small(torch.zeros(1, mod.in_features))
+
+
+# --- attention -----------------------------------------------------------------------------------
+def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
+    """A two-layer store of the run's KV type, head_dim and block size (one KV head): a prefill
+    (layer 0 dense, layer 1 sparse), its votes and anchors, then sparse decode steps — through
+    the run's own router and policy. With `prefill_kinds`, only the prefill, each MInference
+    pattern kind in turn."""
+    from ktlong.attention import AttentionRouter
+    from ktlong.kvstore import KVStore, StoreShape
+    from ktlong.selection import SelectionPolicy
+
+    bs, d = settings.block_size, lm.spec.head_dim
+    hkv, hq = 1, 2
+    n0 = 12 * bs - 3  # 12 blocks, the last one partial
+    ws = dataclasses.replace(
+        settings, init_len=bs, local_windows_len=2 * bs, second_select_num=2, dense_layer_num=1,
+        layer_step=1, token_step=1, preselect_block_count=4, max_seq_len=16 * bs,
+        preselect_window=min(settings.preselect_window, 64), prefill_vertical=16,
+        prefill_slash=16, prefill_patterns="")
+    spec = dataclasses.replace(lm.spec, n_layers=2, n_heads=hq, n_kv_heads=hkv)
+    dev = lm.device
+    local = dev if settings.gpu_local_window and dev.type == "cuda" else None
+    gen = torch.Generator().manual_seed(0)
+
+    def qkv(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (torch.randn(h, n, d, generator=gen).to(dev) for h in (hq, hkv, hkv))
+        return q, k, v
+
+    scale = float(d**-0.5)
+    plans: list[Any] = [None]
+    if prefill_kinds is not None:
+        from ktlong.minference import ChunkAttention, HeadPattern, Plan
+
+        pattern = {"ashape": HeadPattern("ashape", bs, bs), "vs": HeadPattern("vs", 16, 16),
+                   "block": HeadPattern("block", 1)}
+        plans = []
+        for kind in prefill_kinds:
+            ca = ChunkAttention(Plan(((pattern[kind],) * hq,) * 2, "warm-up"))
+            ca.dense_below = 0
+            plans.append(ca)
+    for ca in plans:
+        store = KVStore(StoreShape(2, hkv, d, bs, settings.kv_type, settings.anchor_num),
+                        ws.max_seq_len)
+        policy = SelectionPolicy(ws, spec, store)
+        router = AttentionRouter(store, policy, dev, local, ca)
+        with torch.inference_mode():
+            # the document: the engine's prefill (a forward of n0 tokens)
+            capture = ws.preselect_window if policy.wants_votes() else 0
+            router.begin(sparse=False, capture=min(capture, n0), total=n0)
+            q, k, v = qkv(n0)
+            for layer in range(2):
+                router.attend(layer, q, k, v, scale)
+            policy.on_prefill_end(router.captured, n0)
+            if prefill_kinds is not None:
+                continue
+            for _ in range(3):  # decode steps (a later turn's prefill goes the same way)
+                router.begin(sparse=True, capture=0, total=1)
+                q, k, v = qkv(1)
+                for layer in range(2):
+                    router.attend(layer, q, k, v, scale)
+        policy.complete_anchors()  # before a prompt-cache save
+

@@ -1,0 +1,118 @@
+"""Kernels compile before anything is timed, once: warm-up covers what a run uses, stats never
+count compile time, and a second process loads every kernel from the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.models import gguf_model, hf_model, settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from ktlong import kernels, warmup
+from ktlong.engine import Sampling, Session
+from ktlong.model import load_model
+from tests.models import settings
+
+lm = load_model(sys.argv[1])
+st = settings(kv_type="BF16", anchor_type="DYNAMIC", preselect_block=True)
+s = Session(lm, st)
+ids = [2 + i % 200 for i in range(400)]
+s.prefill(ids)
+steps = list(s.generate(Sampling(max_new_tokens=6)))
+hits, misses = warmup.compile_stats()
+print(json.dumps({"hits": hits, "misses": misses, "compile_s": warmup.compile_seconds(),
+                  "cache_dir": str(kernels.cache_dir()), "steps": len(steps),
+                  "prefill_tok_s": s.stats.prefill_tok_s, "wall_s": time.perf_counter() - t0}))
+"""
+
+
+def _run(model: Path, env: dict[str, str]) -> tuple[dict, str]:
+    p = subprocess.run([sys.executable, "-c", CHILD, str(model)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+def _cache_files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.suffix in (".nbi", ".nbc")}
+
+
+def test_second_process_loads_every_kernel_from_the_cache(ktlong_home):
+    """Two fresh processes, one KTLONG_HOME: the second compiles nothing (no cache miss, no
+    compile time, no new cache file, no "compiling kernels" line)."""
+    model = gguf_model("llama", "Q8_0")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KTLONG_")}
+    env["KTLONG_HOME"] = str(ktlong_home)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    # NUMBA_CACHE_DIR (conftest: pytest's cache) stays, so a test session compiles once; without
+    # it the cache is KTLONG_HOME/numba-cache/<hash>
+    first, _ = _run(model, env)
+    cache = Path(first["cache_dir"])
+    assert first["steps"] == 6 and first["hits"] + first["misses"] > 0
+    before = _cache_files(cache)
+    assert before  # every kernel the run used is on disk
+    second, err = _run(model, env)
+    assert second["cache_dir"] == first["cache_dir"]
+    assert second["misses"] == 0 and second["compile_s"] == 0.0
+    assert second["hits"] > 0  # outer kernels only: a cached kernel holds the ones it calls
+    assert _cache_files(cache) == before
+    assert "compiling kernels" not in err
+
+
+def _signatures() -> dict:
+    from ktlong import warmup
+
+    return {d: set(d.signatures) for d in warmup._dispatchers()}
+
+
+def test_warm_up_covers_what_a_run_compiles():
+    """After a Session's warm-up, a whole run (MInference prefill, votes, DYNAMIC anchors,
+    preselection, per-head selection, a second turn, a prompt-cache save and mapped load, GGUF
+    weights) meets no kernel signature the warm-up did not compile."""
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+    from ktlong.promptcache import open_document
+
+    lm = load_model(str(gguf_model("llama", "Q8_0")))
+    st = settings(kv_type="BF16", anchor_type="DYNAMIC", preselect_block=True,
+                  prefill="MINFERENCE", head_select_mode="SEPARATE")
+    s = Session(lm, st)
+    before = _signatures()
+    s.router.chunk_attention.dense_below = 0  # MInference from the first chunk
+    ids = [2 + i % 300 for i in range(900)]
+    s.prefill(ids)
+    list(s.generate(Sampling(max_new_tokens=6)))
+    s.prefill(ids[:30])
+    list(s.generate(Sampling(max_new_tokens=3)))
+    open_document(lm, st, ids[:500])  # saved
+    mapped = open_document(lm, st, ids[:500]).session  # mapped from the cache
+    mapped.prefill(ids[500:540])
+    list(mapped.generate(Sampling(max_new_tokens=3)))
+    after = _signatures()
+    new = {d.__name__: after[d] - before.get(d, set()) for d in after
+           if after[d] - before.get(d, set())}
+    assert not new
+
+
+def test_stats_leave_compile_time_out(monkeypatch):
+    """A kernel compiling inside a prefill or a decode step is not counted as their work."""
+    from ktlong import engine
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+
+    lm = load_model(str(hf_model("llama")))
+    s = Session(lm, settings())
+    clock = iter(range(0, 10**6, 100))  # every compile_seconds() call: 100 s more compiling
+    monkeypatch.setattr(engine, "compile_seconds", lambda: float(next(clock)))
+    s.prefill([2 + i for i in range(40)])
+    assert s.stats.prefill_s == 0.0  # all of it was "compiling" (clamped, never negative)
+    st = [step.stats for step in s.generate(Sampling(max_new_tokens=3))][-1]
+    assert st.new_tokens == 3 and st.decode_tok_s == 0.0
