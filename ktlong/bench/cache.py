@@ -117,11 +117,16 @@ def _run(mode: str, model: Path, n: int, cache_dir: str) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(contexts: list[int], as_json: bool) -> None:
+def main(contexts: list[int], as_json: bool, plot_file: Path | None = None,
+         command: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ktlong.bench import plot as plotting
     from ktlong.tinymodel import make_model
+
+    if plot_file is not None:
+        plotting.require()
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="ktlong-bench-") as tmp:
@@ -145,8 +150,12 @@ def main(contexts: list[int], as_json: bool) -> None:
                     "hit_peak_rss_bytes": hit["peak_rss_bytes"],
                 }
             )
+    data = {"bench": "cache", "command": command, "machine": plotting.machine(),
+            "threads": "auto (idle cores)", "model": BENCH_SHAPE, "rows": rows}
+    if plot_file is not None:
+        plot(data, plot_file)
     if as_json:
-        print(json.dumps({"model": BENCH_SHAPE, "rows": rows}))
+        print(json.dumps(data))
         return
     t = Table(title=f"prompt cache, random Llama {BENCH_SHAPE}, BF16 KV")
     for col in (
@@ -171,6 +180,37 @@ def main(contexts: list[int], as_json: bool) -> None:
         )
     Console().print(t)
 
+
+def plot(data: dict[str, Any], path: Path | str) -> Any:
+    """Time to the first token per context: a fresh prefill's bar beside a cache hit's, each
+    labelled with its seconds, the speedup under each pair. Returns the figure."""
+    from ktlong.bench import plot as plotting
+
+    rows = sorted(data["rows"], key=lambda r: r["context"])
+    fig, axes = plotting.figure(size=(7.5, 4.8))
+    ax = axes[0][0]
+    xs = np.arange(len(rows))
+    w = 0.38
+    for dx, key, label, colour in ((-w / 2, "prefill_ttft_s", "fresh prefill", "tab:orange"),
+                                   (w / 2, "hit_ttft_s", "prompt-cache hit", "tab:blue")):
+        ys = [r[key] for r in rows]
+        bars = ax.bar(xs + dx, ys, w, label=label, color=colour)
+        ax.bar_label(bars, [f"{y:.0f} s" if y >= 10 else f"{y:.1f} s" if y >= 1 else
+                            f"{y:.2g} s" for y in ys], fontsize=8, padding=2)
+    plotting.log_y(ax)
+    top = max(max(r["prefill_ttft_s"], r["hit_ttft_s"]) for r in rows)
+    bottom = min(min(r["prefill_ttft_s"], r["hit_ttft_s"]) for r in rows)
+    ax.set_ylim(bottom / 2, top * 4)  # room for the labels and the legend
+    speedups = [r["prefill_ttft_s"] / r["hit_ttft_s"] for r in rows]
+    ax.set_xticks(xs, [f"{plotting.tokens(r['context'])}\nhit "
+                       f"{f'{x:.0f}' if x >= 10 else f'{x:.1f}'}x faster"
+                       for r, x in zip(rows, speedups, strict=True)])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("time to first token (s, log scale)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    return plotting.finish(fig, path, "prompt cache: time to first token, hit vs fresh prefill",
+                           data)
 
 
 RSS_SHAPE = dict(layers=2, hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2048)
@@ -250,7 +290,7 @@ def rss_check(gb: float, as_json: bool) -> None:
             raise RuntimeError(out.stderr.strip().splitlines()[-1])
         r = json.loads(out.stdout.strip().splitlines()[-1])
     if as_json:
-        print(json.dumps(r))
+        print(json.dumps({"bench": "cache-rss", **r}))
         return
     print(f"entry {r['entry_bytes'] / 1e9:.2f} GB ({r['tokens']:,} tokens, {r['source']}), "
           f"{r['rss_before_bytes'] / 1e9:.2f} GB RSS before opening it; each step reads "

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
@@ -246,17 +248,28 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def main(contexts: list[int], repeats: int, threads: int, as_json: bool,
-         quest: bool = False) -> None:
-    """Time one layer's sparse and dense decode attention at each context length and print."""
-    from ktlong import kernels
+MODEL = "one layer's attention at InternLM2.5-7B shapes (32 q / 8 KV heads, d 128, BF16 KV)"
 
+
+def main(contexts: list[int], repeats: int, threads: int, as_json: bool,
+         quest: bool = False, plot_file: Path | None = None, command: str = "") -> None:
+    """Time one layer's sparse and dense decode attention at each context length and print;
+    `plot_file`: also draw step time against context (PNG)."""
+    from ktlong import kernels
+    from ktlong.bench import plot as plotting
+
+    if plot_file is not None:
+        plotting.require()
     threads = kernels.configure_threads(threads)
     bandwidth, rows = _measure(sorted(contexts), repeats, quest)
     anchors = "quest" if quest else "one"
+    data = {"bench": "decode", "command": command, "machine": plotting.machine(),
+            "threads": threads, "model": MODEL, "repeats": repeats, "bandwidth_gbps": bandwidth,
+            "anchors": anchors, "rows": rows}
+    if plot_file is not None:
+        plot(data, plot_file)
     if as_json:
-        print(json.dumps({"bandwidth_gbps": bandwidth, "threads": threads, "anchors": anchors,
-                          "rows": rows}))
+        print(json.dumps(data))
         return
     from rich import box
     from rich.console import Console
@@ -285,3 +298,31 @@ def main(contexts: list[int], repeats: int, threads: int, as_json: bool,
     console.print(f"streaming read bandwidth (median): {bandwidth:.1f} GB/s\n"
                   f"time at {last['context']:,} / time at {first['context']:,} "
                   f"(median over rounds of the ratio within a round): {last['vs_first']:.2f}x")
+
+
+def plot(data: dict[str, Any], path: Path | str) -> Any:
+    """Step time against context, sparse and dense (left); the tokens a second that attention
+    alone would allow a 32-layer model (right). Returns the figure."""
+    from ktlong.bench import plot as plotting
+
+    rows = sorted(data["rows"], key=lambda r: r["context"])
+    xs = [r["context"] for r in rows]
+    fig, axes = plotting.figure(2, size=(11, 4.8))
+    ms, tps = axes[0]
+    anchors = "2 anchors (Quest)" if data.get("anchors") == "quest" else "1 anchor"
+    lines = (("sparse", "sparse_ms", "o-", f"sparse step ({anchors} per block)"),
+             ("dense", "dense_ms", "s--", "dense (fastest exact path)"))
+    for _, key, style, label in lines:
+        ys = [r[key] for r in rows]
+        ms.plot(xs, ys, style, label=label)
+        tps.plot(xs, [1e3 / (32 * y) for y in ys], style, label=label)
+    for ax in (ms, tps):
+        plotting.context_axis(ax, xs)
+        plotting.log_y(ax)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ms.set_ylabel("ms per decode step, one layer")
+    ms.set_title("step time", fontsize=9)
+    tps.set_ylabel("tok/s (attention alone, 32 layers)")
+    tps.set_title("tokens per second if attention were all", fontsize=9)
+    return plotting.finish(fig, path, "decode attention: sparse vs dense against context", data)

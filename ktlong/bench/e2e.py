@@ -440,25 +440,23 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
 
 
 def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: bool = False,
-         png: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
+         plot_file: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
          shape: dict[str, int] | None = None, command: str = "",
          decode_runs: int = DECODE_RUNS, model: str | None = None,
          gen: tuple[str, int, str] | None = None) -> None:
     from rich.console import Console
 
-    console = Console(stderr=True)
-    if png is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            from ktlong.errors import KtlongError
+    from ktlong.bench import plot as plotting
 
-            raise KtlongError("--png needs matplotlib", hint="pip install 'ktlong[plot]'") from None
+    console = Console(stderr=True)
+    if plot_file is not None:
+        plotting.require()
     log = console.log  # progress on stderr, also under --json
     data = run(sorted(contexts), new_tokens, threads, list(runtimes or RUNTIMES[:4]), repeats,
                shape, log, decode_runs, model, gen)
-    if png is not None:
-        _plot(data, png, command)
+    data = {"bench": "e2e", "command": command, "machine": plotting.machine(), **data}
+    if plot_file is not None:
+        plot(data, plot_file)
     if as_json:
         print(json.dumps(data))
         return
@@ -500,34 +498,28 @@ def print_table(data: dict[str, Any]) -> None:
         Console().print(f"llama.cpp: `import llama_cpp` failed; {escape(PEERS_HINT)}")
 
 
-def _plot(data: dict[str, Any], png: Path, command: str) -> None:
-    import matplotlib
+def plot(data: dict[str, Any], path: Path | str) -> Any:
+    """Decode tok/s against context, one line per runtime (ktlong's solid, the peers dashed).
+    Returns the figure."""
+    from ktlong.bench import plot as plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, axes = plotting.figure()
+    ax = axes[0][0]
     by: dict[str, list[tuple[int, float]]] = {}
     for r in data["rows"]:
         if r["status"] == "ok":
             by.setdefault(r["runtime"], []).append((r["context"], r["decode_tok_s"]))
     for name, pts in by.items():
         xs, ys = zip(*sorted(pts), strict=True)
-        ax.plot(xs, ys, marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    xs_all = sorted({r["context"] for r in data["rows"]})
-    ax.set_xticks(xs_all, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in xs_all])
-    ax.minorticks_off()
-    ax.set_xlabel("context (tokens)")
+        ax.plot(xs, ys, "o-" if name.startswith("ktlong") else "s--", label=name)
+    plotting.context_axis(ax, [r["context"] for r in data["rows"]])
     ax.set_ylabel("decode tok/s")
-    ax.set_title(f"decode speed vs context, {data['threads']} threads", fontsize=10)
-    if command:
-        fig.text(0.01, 0.01, command, fontsize=7, family="monospace")
+    ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    if by:
+        ax.legend(fontsize=8)
+    return plotting.finish(
+        fig, path, f"decode speed against context, {data.get('new_tokens', '?')} new tokens", data)
 
 
 if __name__ == "__main__":  # a worker; argv: RUNTIME HF GGUF IDS NEW THREADS RUNS TINY

@@ -137,11 +137,15 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
 def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None,
          chunk_sizes: tuple[int, ...] = (CHUNK_AUTO[False],), modes: tuple[str, ...] = ("dense",),
          transformers: bool = True, shape: str = "small", sample: int = 0,
-         command: str = "") -> None:
+         command: str = "", plot_file: Path | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ktlong.bench import plot as plotting
     from ktlong.tinymodel import make_model
+
+    if plot_file is not None:
+        plotting.require()
 
     threads = threads or __import__("os").cpu_count() or 1
     tmp = None
@@ -167,9 +171,13 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
                 and b["chunk_size"] == r["chunk_size"]]
         r["vs_dense"] = r["prefill_tok_s"] / base[0]["prefill_tok_s"] if base else None
     label = f"model {model}" if tmp is None else f"random Llama {dims}"
+    data = {"bench": "prefill", "command": command, "machine": plotting.machine(),
+            "threads": threads, "model": dims if tmp is not None else str(model),
+            "sampled_chunks": sample, "rows": rows}
+    if plot_file is not None:
+        plot(data, plot_file)
     if as_json:
-        print(json.dumps({"threads": threads, "model": label, "sampled_chunks": sample,
-                          "command": command, "rows": rows}))
+        print(json.dumps(data))
         return
     title = f"prefill, {threads} threads, {label}" + (
         f"; {sample} sampled chunks per context" if sample else "")
@@ -190,6 +198,35 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
             f"{r['peak_rss_bytes'] / 1e9:.2f}",
         )
     Console(width=max(Console().width, 110)).print(table)
+
+
+def plot(data: dict[str, Any], path: Path | str) -> Any:
+    """Prefill tok/s against context, one line per prefill mode (and chunk size when several
+    were compared); transformers dashed. Returns the figure."""
+    from ktlong.bench import plot as plotting
+
+    rows = data["rows"]
+    several = len({r["chunk_size"] for r in rows if r["runtime"] != "transformers"}) > 1
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        name = r["runtime"].removeprefix("ktlong-")
+        if r["runtime"] != "transformers":
+            name = f"ktlong {name}" + (f" (chunk {r['chunk_size']})" if several else "")
+        by.setdefault(name, []).append((r["context"], r["prefill_tok_s"]))
+    fig, axes = plotting.figure()
+    ax = axes[0][0]
+    for name, pts in by.items():
+        xs, ys = zip(*sorted(pts), strict=True)
+        ax.plot(xs, ys, "s--" if name == "transformers" else "o-", label=name)
+    plotting.context_axis(ax, [r["context"] for r in rows])
+    ax.set_ylabel("prefill tok/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    sampled = data.get("sampled_chunks")
+    title = "prefill speed per mode against context" + (
+        f" ({sampled} sampled chunks per context)" if sampled else "")
+    return plotting.finish(fig, path, title, data)
 
 
 if __name__ == "__main__":  # a worker: python -m ktlong.bench.prefill RUNTIME MODEL N THREADS

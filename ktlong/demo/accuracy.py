@@ -198,48 +198,95 @@ def _k(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
-def plot(records: Sequence[Record], path: Path) -> bool:
-    """Accuracy against length, one panel per task; False when matplotlib is missing."""
-    try:
-        import matplotlib
+DEPTH_BINS = 5  # rows of the plotted grid, fewer when a cell has fewer samples
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    s = summarise(records)["cells"]
+
+def plot(data: dict[str, Any], path: Path | str) -> Any:
+    """The accuracy grid: per task (columns) and profile (rows), document length across and the
+    asked fact's depth down, each cell coloured by its share of right answers and labelled with
+    it in %. `data` is the --json output (records as dicts). Returns the figure."""
+    import numpy as np
+
+    from ktlong.bench import plot as plotting
+
+    records = [Record(**r) if isinstance(r, dict) else r for r in data["records"]]
     lengths = sorted({r.length for r in records})
     profiles = list(dict.fromkeys(r.profile for r in records))
     task_names = [t for t in tasks.TASKS if any(r.task == t for r in records)]
-    fig, axes = plt.subplots(1, len(task_names), figsize=(4 * len(task_names), 3.2), squeeze=False)
-    for ax, t in zip(axes[0], task_names, strict=True):
-        for p in profiles:
-            ys = [100 * s[(L, t, p)][0] / s[(L, t, p)][1] for L in lengths]
-            ax.plot(lengths, ys, marker="o", label=p)
-        ax.set_xscale("log", base=2)
-        ax.set_title(t)
-        ax.set_ylim(-5, 105)
-        ax.set_xlabel("document tokens")
-    axes[0][0].set_ylabel("accuracy %")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    return True
+    task_names += sorted({r.task for r in records} - set(task_names))
+    per_cell: dict[tuple, list[Record]] = defaultdict(list)
+    for r in records:
+        per_cell[(r.length, r.task, r.profile)].append(r)
+    bins = max(1, min(DEPTH_BINS, max((len(v) for v in per_cell.values()), default=1)))
+    labels = [f"{100 * i // bins}-{100 * (i + 1) // bins}%" for i in range(bins)]
+    rows, cols = len(profiles), len(task_names)
+    w = max(3.0, 0.75 * len(lengths) + 1.4)
+    fig, axes = plotting.figure(
+        cols + 1, rows, size=(cols * w + 1.0, rows * max(2.4, 0.45 * bins + 1.4) + 1.4),
+        gridspec_kw={"width_ratios": [1.0] * cols + [0.06]})
+    import matplotlib
+
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#dddddd")
+    image = None
+    for i, p in enumerate(profiles):
+        for j, t in enumerate(task_names):
+            right = np.zeros((bins, len(lengths)))
+            n = np.zeros((bins, len(lengths)))
+            for x, L in enumerate(lengths):
+                for r in per_cell.get((L, t, p), []):
+                    y = min(bins - 1, int(r.depth * bins))
+                    right[y, x] += r.correct
+                    n[y, x] += 1
+            share = np.divide(right, n, out=np.full_like(right, np.nan), where=n > 0)
+            ax = axes[i][j]
+            image = ax.imshow(np.ma.masked_invalid(share), cmap=cmap, vmin=0, vmax=1,
+                              aspect="auto")
+            for (y, x), v in np.ndenumerate(share):  # white on the dark ends of the map
+                ax.text(x, y, "-" if np.isnan(v) else f"{100 * v:.0f}", ha="center",
+                        va="center", fontsize=9,
+                        color="white" if not np.isnan(v) and (v > 0.85 or v < 0.15) else "black")
+            ax.set_xticks(range(len(lengths)), [plotting.tokens(L) for L in lengths])
+            ax.set_yticks(range(bins), labels if j == 0 else [""] * bins)
+            ax.tick_params(left=j == 0)
+            if i == 0:
+                ax.set_title(t, fontsize=10)
+            if i == rows - 1:
+                ax.set_xlabel("document tokens")
+            if j == 0:
+                ax.set_ylabel(f"{p}\ndepth of the asked fact" if rows > 1 else
+                              "depth of the asked fact")
+        cax = axes[i][cols]
+        if i == 0 and image is not None:
+            fig.colorbar(image, cax=cax, label="correct share")
+            cax.yaxis.set_major_formatter(lambda v, _: f"{100 * v:.0f}%")
+        else:
+            cax.set_axis_off()
+    n_max = max((len(v) for v in per_cell.values()), default=0)
+    title = (f"accuracy by length and depth ({n_max} answers per task and length"
+             + (f", profile {profiles[0]}" if rows == 1 and profiles else "") + "; cell: % right)")
+    return plotting.finish(fig, path, title, data)
 
 
 def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
-         as_json: bool = False, png: Path | None = None, threads: int = 0, seed: int = 0,
+         as_json: bool = False, plot_file: Path | None = None, threads: int = 0, seed: int = 0,
          command: str = "ktlong bench accuracy") -> None:
     from rich.console import Console
 
+    from ktlong.bench import plot as plotting
+
+    if plot_file is not None:
+        plotting.require()
     err = Console(stderr=True)
     records = run(model, lengths, samples, profiles, seed, threads,
                   report=lambda line: err.print(line, highlight=False))
+    data = {"bench": "accuracy", "command": command, "machine": plotting.machine(),
+            "threads": threads or "auto (idle cores)",
+            "model": str(model) if model else "ktlong's demo model",
+            "records": [dataclasses.asdict(r) for r in records]}
+    if plot_file is not None:
+        plot(data, plot_file)
     if as_json:
-        print(json.dumps({"command": command, "records": [dataclasses.asdict(r)
-                                                          for r in records]}))
+        print(json.dumps(data))
     else:
         print(markdown(records, command))
-    if png is not None and not plot(records, png):
-        err.print("no chart: matplotlib is not installed (pip install 'ktlong[plot]')")
     sys.stdout.flush()
