@@ -416,6 +416,24 @@ def tune_prefill(model: ModelOpt = None,
 
 
 # --- bench --------------------------------------------------------------------------------------
+PlotOpt = Annotated[Path | None, typer.Option(
+    "--plot", metavar="FILE.png", show_default=False,
+    help="Also draw the results as a PNG (needs matplotlib: pip install 'ktlong[bench]'); "
+         "`ktlong bench plot` redraws a saved --json.")]
+PngOpt = Annotated[Path | None, typer.Option("--png", hidden=True, show_default=False,
+                                             help="Old name of --plot.")]
+
+
+def _plot_file(plot: Path | None, png: Path | None = None) -> Path | None:
+    """--plot (or its old name --png); refused at once when matplotlib is missing."""
+    path = plot or png
+    if path is not None:
+        from ktlong.bench.plot import require
+
+        require()
+    return path
+
+
 def _lengths(contexts: str, option: str = "--contexts") -> list[int]:
     try:
         lengths = [parse_int(x) for x in contexts.split(",") if x.strip()]
@@ -437,12 +455,37 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                  quest: Annotated[bool, typer.Option(
                      "--quest", help="Score blocks by Quest's min/max bound (2 anchors, the "
                                      "recall profile) instead of one anchor (default).")] = False,
-                 as_json: JsonOpt = False) -> None:
+                 plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
     """Sparse decode-attention speed against context length (kernels only, no model)."""
+    lengths = _lengths(contexts)
+    plot_file = _plot_file(plot)
     from ktlong.bench import decode
 
-    decode.main(contexts=_lengths(contexts), repeats=repeats, threads=threads, as_json=as_json,
-                quest=quest)
+    command = (f"ktlong bench decode --contexts {contexts.replace(' ', '')} --repeats {repeats}"
+               f"{f' -t {threads}' if threads else ''}{' --quest' if quest else ''}")
+    decode.main(contexts=lengths, repeats=repeats, threads=threads, as_json=as_json,
+                quest=quest, plot_file=plot_file, command=command)
+
+
+@bench_app.command("gemv")
+def bench_gemv(types: Annotated[str, typer.Option(
+                   help="Weight types, comma-separated: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16.")]
+               = "Q4_K,Q6_K,Q8_0,Q4_0,F16",
+               repeats: Annotated[int, typer.Option(
+                   min=1, help="Rounds; each times the GEMVs and the bandwidth probe once.")] = 7,
+               threads: Annotated[int, typer.Option(
+                   "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+               as_json: JsonOpt = False) -> None:
+    """Decode GEMV over quantised 8B-width weights: GB/s of weight bytes against the machine's
+    streaming bandwidth."""
+    from ktlong.bench import gemv
+
+    names = [t.strip().upper() for t in types.split(",") if t.strip()]
+    bad = [t for t in names if t not in gemv.TYPES]
+    if bad or not names:
+        raise KtlongError(f"--types: unknown weight type {bad[0] if bad else types!r}",
+                          hint=f"choose from {', '.join(gemv.TYPES)}")
+    gemv.main(names, repeats, threads, as_json)
 
 
 @bench_app.command("prefill")
@@ -468,8 +511,9 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                       help="ktlong's prefill chunk sizes to compare, comma-separated "
                            "(default: the size ktlong prefills with on the CPU).")]
                   = str(CHUNK_AUTO[False]),
-                  as_json: JsonOpt = False) -> None:
+                  plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
     """Prefill tok/s, attention time and peak RSS per prefill mode, and against transformers."""
+    plot_file = _plot_file(plot)
     from ktlong.bench import prefill
 
     names = tuple(m.strip().lower() for m in modes.split(",") if m.strip())
@@ -486,7 +530,7 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                f"{'' if transformers else ' --no-transformers'}"
                f"{f' -t {threads}' if threads else ''} --chunk-sizes {chunk_sizes}")
     prefill.main(_lengths(contexts), threads, as_json, model, chunks, names, transformers, shape,
-                 sample_chunks, command)
+                 sample_chunks, command, plot_file)
 
 
 @bench_app.command("accuracy")
@@ -499,14 +543,13 @@ def bench_accuracy(model: ModelOpt = None,
                    profiles: Annotated[str, typer.Option(
                        help="Profiles to compare, comma-separated.")]
                    = "dense,default,quest,kvretrieval,streamingllm",
-                   png: Annotated[Path | None, typer.Option(
-                       metavar="FILE", show_default=False,
-                       help="Also draw accuracy against length (needs matplotlib).")] = None,
+                   plot: PlotOpt = None, png: PngOpt = None,
                    seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
                    threads: Annotated[int, typer.Option(
                        "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
                    as_json: JsonOpt = False) -> None:
     """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
+    plot_file = _plot_file(plot, png)
     from ktlong.demo import accuracy
 
     names = [p.strip() for p in profiles.split(",") if p.strip()]
@@ -514,8 +557,9 @@ def bench_accuracy(model: ModelOpt = None,
         resolve_settings(p, {})  # an unknown profile fails here, before loading anything
     command = (f"ktlong bench accuracy{f' --model {model}' if model else ''} --lengths {lengths} "
                f"--samples {samples} --profiles {','.join(names)}"
-               f"{f' --seed {seed}' if seed else ''}")
-    accuracy.main(model, _lengths(lengths), samples, names, as_json, png, threads, seed, command)
+               f"{f' --seed {seed}' if seed else ''}{f' -t {threads}' if threads else ''}")
+    accuracy.main(model, _lengths(lengths), samples, names, as_json, plot_file, threads, seed,
+                  command)
 
 
 @bench_app.command("cache")
@@ -525,14 +569,20 @@ def bench_cache(contexts: Annotated[str, typer.Option(
                 rss_gb: Annotated[float, typer.Option(
                     "--rss-gb", min=0.0, help="Instead: decode from a synthetic entry of this "
                     "many GB and report peak RSS against its size.")] = 0.0,
-                as_json: JsonOpt = False) -> None:
+                plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
     """Time to first token: prompt-cache hit against a fresh prefill; decode from mmap vs RAM."""
+    if rss_gb and plot is not None:
+        raise KtlongError("--plot draws time to first token; --rss-gb has no figure",
+                          hint="drop one of them")
+    lengths = [] if rss_gb else _lengths(contexts)
+    plot_file = _plot_file(plot)
     from ktlong.bench import cache
 
     if rss_gb:
         cache.rss_check(rss_gb, as_json)
     else:
-        cache.main(_lengths(contexts), as_json)
+        cache.main(lengths, as_json, plot_file,
+                   command=f"ktlong bench cache --contexts {contexts.replace(' ', '')}")
 
 
 @bench_app.command("e2e")
@@ -551,9 +601,7 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
               decode_runs: Annotated[int, typer.Option(
                   min=1, help="Decode runs per prefill (the prompt's last token re-fed); "
                               "the median is reported.")] = DECODE_RUNS,
-              png: Annotated[Path | None, typer.Option(
-                  metavar="FILE", show_default=False,
-                  help="Also draw decode tok/s against context (needs matplotlib).")] = None,
+              plot: PlotOpt = None, png: PngOpt = None,
               threads: Annotated[int, typer.Option(
                   "--threads", "-t", min=0,
                   help="CPU threads (0: ktlong takes the idle cores, the peers all cores).")] = 0,
@@ -575,6 +623,7 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
               as_json: JsonOpt = False) -> None:
     """Prefill, decode and peak RSS: ktlong vs transformers and llama.cpp, on one random Llama,
     a random model at real widths (--shape), or your own (--model)."""
+    plot_file = _plot_file(plot, png)
     from ktlong.bench import e2e
     from ktlong.bench.genmodel import SHAPES, WEIGHTS
 
@@ -592,9 +641,23 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
     command = (f"ktlong bench e2e{source} --contexts {contexts} --new-tokens {new_tokens} "
                f"--runtimes {','.join(names)}{f' --repeats {repeats}' if repeats > 1 else ''}"
                f" --decode-runs {decode_runs}{f' --threads {threads}' if threads else ''}")
-    e2e.main(_lengths(contexts), new_tokens, threads, as_json, png, names, repeats,
+    e2e.main(_lengths(contexts), new_tokens, threads, as_json, plot_file, names, repeats,
              command=command, decode_runs=decode_runs, model=model,
              gen=(shape, layers, weights) if shape else None)
+
+
+@bench_app.command("plot")
+def bench_plot(result: Annotated[Path, typer.Argument(
+                   metavar="RESULT.json", show_default=False,
+                   help="What a `ktlong bench decode|e2e|accuracy|cache|prefill --json` printed.")],
+               plot: Annotated[Path, typer.Option(
+                   "--plot", metavar="FILE.png", show_default=False,
+                   help="The PNG to write.")]) -> None:
+    """Redraw a saved bench result as the bench's --plot would, without measuring again."""
+    from ktlong.bench.plot import redraw
+
+    redraw(result, plot)
+    typer.echo(f"wrote {plot}", err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -255,7 +255,8 @@ def test_bench_decode_passes_parsed_options(monkeypatch: pytest.MonkeyPatch) -> 
     r = run("bench", "decode", "--contexts", "16K, 65536,1M", "--repeats", "2", "-t", "1", "--json")
     assert r.exit_code == 0, r.output
     assert calls == [dict(contexts=[16384, 65536, 1048576], repeats=2, threads=1, as_json=True,
-                          quest=False)]
+                          quest=False, plot_file=None,
+                          command="ktlong bench decode --contexts 16K,65536,1M --repeats 2 -t 1")]
     r = run("bench", "decode", "--contexts", "1M", "--quest")
     assert r.exit_code == 0, r.output
     assert calls[-1]["quest"] is True and calls[-1]["contexts"] == [1048576]
