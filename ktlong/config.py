@@ -76,6 +76,12 @@ class Settings:
                           "stay FP32); AUTO keeps the checkpoint's own types: a GGUF file's "
                           "quantised tensors are read in place, a 16-bit checkpoint stays 16-bit",
                           choices=("AUTO", "BF16", "FP16", "FP32"))
+    prefill_matmul: str = _f("enum", "AUTO", "runtime", "Precision of the prefill matmuls on "
+                             "the CPU: BF16 rounds activations and weight tiles to bfloat16 "
+                             "(about 2x the FP32 speed where the CPU has BF16 dot products, "
+                             "error ~4e-3 of a row's largest output, as llama.cpp's int8 "
+                             "activations); AUTO = BF16 on such a CPU for layers at least "
+                             "1024 wide, else FP32", choices=("AUTO", "BF16", "FP32"))
     threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
                           "idle when a prefill or an answer starts, at least the physical cores "
                           "less one", 0)

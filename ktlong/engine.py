@@ -21,6 +21,7 @@ from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
 from ktlong.warmup import compile_seconds, warm_up
+from ktlong.weights import set_prefill_matmul
 
 Progress = Callable[[int, int], None]  # (tokens done, total)
 
@@ -127,6 +128,7 @@ class Session:
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
         self.threads = 0  # in effect; set before each prefill and generate
         self.capture_queries = 0  # keep at least this many last prompt queries per layer
+        self.prefill_matmul = set_prefill_matmul(lm.model, settings.prefill_matmul)
         warm_up(lm, settings)  # every kernel this session runs, compiled before it is timed
 
     def _set_threads(self) -> None:

@@ -36,6 +36,7 @@ from ktlong.kernels import Q8_EXTRA, kv_to_f64, q8_encode
 from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, from_storage, to_storage
 from ktlong.minference import prefill_key
 from ktlong.model import LoadedModel, ModelSpec
+from ktlong.weights import bf16_prefill
 
 MAGIC = b"KTLONGKV"
 VERSION = 2  # written; 1 (BF16 anchors) is read too, its anchors converted
@@ -86,6 +87,8 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "shape": [spec.n_layers, spec.n_kv_heads, spec.head_dim],
     }
     key.update(prefill_key(spec, settings))  # a windowed or sparse prefill makes other KV
+    if bf16_prefill(spec.hidden_size, settings.prefill_matmul):  # BF16 products: other KV
+        key["prefill_matmul"] = "BF16"
     return key
 
 

@@ -14,6 +14,7 @@ Activations stay in the model's compute dtype (float32 on the CPU).
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -39,6 +40,8 @@ def _scratch(n: int) -> torch.Tensor:
 
 class HalfLinear(nn.Module):
     """`nn.Linear` with a 16-bit weight: bits [out, in] int16 (BF16 or FP16 by `kind`)."""
+
+    mm_dtype = torch.float32  # prefill matmul precision (set_prefill_matmul)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, half: torch.dtype) -> None:
         super().__init__()
@@ -67,13 +70,14 @@ class HalfLinear(nn.Module):
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] f32 -> [rows, out] f32, widening SCRATCH_FLOATS weights at a time."""
         n, k = self.out_features, self.in_features
+        xm = x.to(self.mm_dtype)
         rb = max(1, min(n, SCRATCH_FLOATS // k))
-        if rb == n:  # one block: no output copy
-            return F.linear(x, _block(self, 0, n, 0, k))
+        if rb == n or (self.half == self.mm_dtype == torch.bfloat16):  # no tiles, no output copy
+            return F.linear(xm, _block(self, 0, n, 0, k)).float()
         y = torch.empty(x.shape[0], n)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
-            y[:, r0:r1] = F.linear(x, _block(self, r0, r1, 0, k))
+            y[:, r0:r1] = F.linear(xm, _block(self, r0, r1, 0, k))
         return y
 
 
@@ -95,6 +99,8 @@ class QuantLinear(nn.Module):
 
     `qtype` is a ktlong.quant type name; `perm` [out] (optional) reorders the outputs (llama.cpp
     stores llama's Q/K rows interleaved per head: y = (W x)[perm] undoes it without a copy)."""
+
+    mm_dtype = torch.float32  # prefill matmul precision (set_prefill_matmul)
 
     def __init__(self, raw: np.ndarray, qtype: str, in_features: int,
                  bias: torch.Tensor | None = None, perm: np.ndarray | None = None) -> None:
@@ -136,11 +142,12 @@ class QuantLinear(nn.Module):
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] f32 -> [rows, out] f32, dequantising SCRATCH_FLOATS weights at a time."""
         n, k = self.out_features, self.in_features
+        xm = x.to(self.mm_dtype)
         rb = max(1, min(n, SCRATCH_FLOATS // k))
         y = torch.empty(x.shape[0], n)
         for r0 in range(0, n, rb):
             r1 = min(n, r0 + rb)
-            y[:, r0:r1] = F.linear(x, self.tile(r0, r1, 0, k))
+            y[:, r0:r1] = F.linear(xm, _block(self, r0, r1, 0, k))
         return y
 
     def tile(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
@@ -188,14 +195,19 @@ class QuantEmbedding(nn.Module):
 MLP_BLOCK_FLOATS = 1 << 20  # float32 elements of one [rows, block] slice of the MLP's inside
 
 
-def _block(lin: nn.Module, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-    """lin's weight[r0:r1, c0:c1] in float32 (a 16-bit weight is widened into the scratch)."""
+def _block(lin: nn.Module, r0: int, r1: int, c0: int, c1: int,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """lin's weight[r0:r1, c0:c1] in `dtype` (default lin.mm_dtype): a quantised tile is
+    dequantised, a 16-bit one widened into the scratch (BF16 bits in BF16: a view, no copy)."""
+    dtype = dtype or getattr(lin, "mm_dtype", torch.float32)
     if isinstance(lin, QuantLinear):
-        return lin.tile(r0, r1, c0, c1)
+        return lin.tile(r0, r1, c0, c1).to(dtype)
     if isinstance(lin, HalfLinear):
+        if lin.half == dtype:
+            return lin.bits.view(lin.half)[r0:r1, c0:c1]
         w = _scratch((r1 - r0) * (c1 - c0))[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-        return w.copy_(lin.bits.view(lin.half)[r0:r1, c0:c1])
-    return lin.weight[r0:r1, c0:c1]
+        return w.copy_(lin.bits.view(lin.half)[r0:r1, c0:c1]).to(dtype)
+    return lin.weight[r0:r1, c0:c1].to(dtype)
 
 
 class GatedMLP(nn.Module):
@@ -203,6 +215,8 @@ class GatedMLP(nn.Module):
     activations: with several rows it runs over slices of the intermediate dimension (gate and up
     rows, down columns), so a 1024-token prefill chunk holds slices of at most 4 MB, not four full
     [rows, intermediate] tensors. One row (decode) goes straight through, in place."""
+
+    mm_dtype = torch.float32  # prefill matmul precision (set_prefill_matmul)
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
@@ -215,7 +229,8 @@ class GatedMLP(nn.Module):
             F.silu(g, inplace=True)
             return self.down_proj(g.mul_(self.up_proj(x)))
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        x2 = x.reshape(rows, -1).to(torch.float32)  # [rows, hidden]
+        dt = self.mm_dtype
+        x2 = x.reshape(rows, -1).to(dt)  # [rows, hidden]
         hidden, inter = down.out_features, down.in_features
         # a slice's [rows, step] activations and its widened [hidden, step] down block both small;
         # a quantised down's columns are cut on its blocks
@@ -225,17 +240,21 @@ class GatedMLP(nn.Module):
         out = torch.zeros(rows, hidden)
         for j0 in range(0, inter, step):
             j1 = min(inter, j0 + step)
-            g = F.linear(x2, _block(gate, j0, j1, 0, hidden), _bias(gate, j0, j1))  # [rows, j]
-            F.silu(g, inplace=True)
-            g.mul_(F.linear(x2, _block(up, j0, j1, 0, hidden), _bias(up, j0, j1)))
-            out.addmm_(g, _block(down, 0, hidden, j0, j1).t())  # [rows, hidden]
+            g = F.linear(x2, _block(gate, j0, j1, 0, hidden, dt), _bias(gate, j0, j1, dt))
+            F.silu(g, inplace=True)  # [rows, j]
+            g.mul_(F.linear(x2, _block(up, j0, j1, 0, hidden, dt), _bias(up, j0, j1, dt)))
+            if dt == torch.float32:
+                out.addmm_(g, _block(down, 0, hidden, j0, j1).t())  # [rows, hidden]
+            else:  # a 16-bit product, summed over the slices in float32
+                out += torch.mm(g, _block(down, 0, hidden, j0, j1, dt).t())
         if down.bias is not None:
             out += down.bias
         return out.to(x.dtype).reshape(x.shape)
 
 
-def _bias(lin: nn.Module, j0: int, j1: int) -> torch.Tensor | None:
-    return None if lin.bias is None else lin.bias[j0:j1].float()
+def _bias(lin: nn.Module, j0: int, j1: int,
+          dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    return None if lin.bias is None else lin.bias[j0:j1].to(dtype)
 
 
 def gate_mlps_in_place(model: nn.Module) -> int:
@@ -269,3 +288,43 @@ def compact(model: nn.Module, half: torch.dtype, dtype: torch.dtype = torch.floa
         w = shared if mod is head and tied else mod.weight.detach()
         _replace(model, name, HalfLinear(w, None if mod.bias is None else mod.bias.detach(), half))
     model.to(dtype)  # norms, biases, rotary buffers; the int16 bits stay as they are
+
+
+BF16_MIN_WIDTH = 1024  # AUTO: narrower layers (tiny models) keep FP32 prefill matmuls
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether the CPU has BF16 dot products (AVX512-BF16 or AMX), where torch's BF16 matmul
+    runs about twice its FP32 speed."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def bf16_prefill(width: int, mode: str) -> bool:
+    """Whether a layer `width` inputs wide multiplies prefill rows in BF16 under `mode`."""
+    return mode == "BF16" or (mode == "AUTO" and width >= BF16_MIN_WIDTH and cpu_has_bf16())
+
+
+def set_prefill_matmul(model: nn.Module, mode: str) -> str:
+    """Set the prefill matmul precision of `model`'s CPU weight modules: mode AUTO | BF16 | FP32
+    (the `prefill_matmul` setting). Returns what the widest layer uses: "BF16" or "FP32"."""
+    held = "FP32"
+    for mod in model.modules():
+        if isinstance(mod, (HalfLinear, QuantLinear)):
+            width = mod.in_features
+        elif isinstance(mod, GatedMLP):
+            width = mod.down_proj.out_features
+        else:
+            continue
+        bf16 = bf16_prefill(width, mode)
+        mod.mm_dtype = torch.bfloat16 if bf16 else torch.float32
+        held = "BF16" if bf16 else held
+    return held

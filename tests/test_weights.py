@@ -168,3 +168,83 @@ def test_pickle_checkpoint_takes_its_16_bit_type_from_config(tmp_path):
     lm = load_model(tmp_path, device="CPU", allow_pickle=True)
     assert lm.weight_type == "BF16"
     assert isinstance(lm.model.lm_head, HalfLinear)
+
+
+def _bf16_close(got: torch.Tensor, want: torch.Tensor, rel: float = 0.02) -> None:
+    """BF16 products: within `rel` of the largest output (rounding of x, W and the result)."""
+    assert got.shape == want.shape and got.dtype == torch.float32
+    err = (got - want).abs().max().item()
+    assert 0 < err <= rel * want.abs().max().item()  # > 0: the BF16 path did run
+
+
+@pytest.mark.parametrize("module", ["half-bf16", "half-fp16", "Q4_K", "Q8_0"])
+def test_bf16_prefill_matmul_is_close_to_fp32_and_decode_is_unchanged(module, monkeypatch):
+    from ktlong import quant
+    from ktlong.weights import QuantLinear, set_prefill_matmul
+
+    monkeypatch.setattr(weights, "SCRATCH_FLOATS", 20000)  # several tiles per GEMM
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((96, 512)).astype(np.float32)
+    if module.startswith("half"):
+        mod = HalfLinear(torch.from_numpy(w), None, torch.bfloat16 if "bf16" in module
+                         else torch.float16)
+    else:
+        mod = QuantLinear(quant.quantize(w, module), module, 512)
+    holder = nn.Sequential(mod)
+    x = torch.randn(1, 40, 512)
+    with torch.inference_mode():
+        assert set_prefill_matmul(holder, "FP32") == "FP32"
+        want, one = mod(x), mod(x[:, :1])
+        assert set_prefill_matmul(holder, "BF16") == "BF16" and mod.mm_dtype == torch.bfloat16
+        got, one_bf16 = mod(x), mod(x[:, :1])
+    _bf16_close(got, want)
+    torch.testing.assert_close(one_bf16, one, rtol=0, atol=0)  # a decode row is the GEMV's
+
+
+def test_bf16_prefill_auto_takes_wide_layers_on_a_bf16_cpu_only(monkeypatch):
+    from ktlong.weights import bf16_prefill, set_prefill_matmul
+
+    wide, narrow = HalfLinear(torch.randn(8, 1024), None, torch.bfloat16), HalfLinear(
+        torch.randn(8, 256), None, torch.bfloat16)
+    model = nn.Sequential(wide, narrow)
+    monkeypatch.setattr(weights, "cpu_has_bf16", lambda: True)
+    assert set_prefill_matmul(model, "AUTO") == "BF16"
+    assert (wide.mm_dtype, narrow.mm_dtype) == (torch.bfloat16, torch.float32)
+    assert bf16_prefill(4096, "AUTO") and not bf16_prefill(256, "AUTO")
+    assert bf16_prefill(256, "BF16") and not bf16_prefill(4096, "FP32")
+    monkeypatch.setattr(weights, "cpu_has_bf16", lambda: False)
+    assert set_prefill_matmul(model, "AUTO") == "FP32" and wide.mm_dtype == torch.float32
+    assert not bf16_prefill(4096, "AUTO")
+
+
+@pytest.mark.parametrize("half", [None, torch.bfloat16])
+def test_gated_mlp_bf16_prefill_is_close_to_fp32(half):
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from ktlong.tinymodel import make_config
+    from ktlong.weights import set_prefill_matmul
+
+    torch.manual_seed(2)
+    cfg = make_config("llama", hidden=64, intermediate=256)
+    mlp = nn.Sequential(LlamaMLP(cfg).eval())
+    weights.gate_mlps_in_place(mlp)
+    if half is not None:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(mlp[0], name)
+            setattr(mlp[0], name, HalfLinear(lin.weight.detach(), None, half))
+    x = torch.randn(1, 50, 64)
+    with torch.inference_mode():
+        set_prefill_matmul(mlp, "FP32")
+        want = mlp(x)
+        set_prefill_matmul(mlp, "BF16")
+        got = mlp(x)
+    _bf16_close(got, want, rel=0.03)
+
+
+def test_bf16_prefill_changes_the_prompt_cache_key(monkeypatch):
+    from ktlong.promptcache import content_key
+
+    spec = load_model(hf_model("llama"), device="CPU").spec
+    plain = content_key(spec, settings(prefill_matmul="FP32"))
+    assert content_key(spec, settings(prefill_matmul="AUTO")) == plain  # a tiny model: FP32
+    assert content_key(spec, settings(prefill_matmul="BF16"))["prefill_matmul"] == "BF16"
