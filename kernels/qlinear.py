@@ -13,7 +13,8 @@ weight.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ._qvec import (
     VNNI,
@@ -33,7 +34,7 @@ from ._qvec import (
     vadd_i32,
     vmul_i32,
 )
-from ._simd import F32, FASTMATH, readonly, to_f32
+from ._simd import F32, FASTMATH, readonly, to_bf16, to_f32
 from ._vec import vhsum, vsplat, vzero
 from .threads import use_threads
 
@@ -304,64 +305,108 @@ def _qgemv_vnni(w, qtype, x):
     return out
 
 
+def _put(out, j, v):
+    """out[j] = v: float32 as it is, or rounded to bf16 bits in a uint16 row."""
+
+
+@overload(_put, inline="always")
+def _put_impl(out, j, v):
+    if out.dtype == types.uint16:
+        def put_bf16(out, j, v):
+            out[j] = to_bf16(F32(v))
+        return put_bf16
+
+    def put_f32(out, j, v):
+        out[j] = v
+    return put_f32
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _half1(w, o):
+    """The f16 at byte o of row w [row_bytes], as float32."""
+    return to_f32(np.int16(np.uint16(w[o]) | (np.uint16(w[o + 1]) << np.uint16(8))))
+
+
 @njit(fastmath=FASTMATH, cache=True)
-def _decode_row(w, qtype, r, c0, c1, out, orow):
-    """out[orow, :] = dequantised W[r, c0:c1] (c0, c1 on block boundaries)."""
-    blk = 32 if qtype == Q4_0 or qtype == Q8_0 else 256
-    for b in range(c0 // blk, c1 // blk):
-        y0 = b * blk - c0
-        if qtype == Q8_0:
-            o = b * 34
-            d = _half(w, r, o)
+def _decode_row(w, qtype, c0, c1, out):
+    """out [c1 - c0] = dequantised row w [row_bytes] over columns c0:c1 (on block boundaries);
+    out float32, or uint16 for bf16 bits. One-dimensional views, a loop per type: the inner
+    loops vectorise."""
+    if qtype == Q8_0:
+        for b in range(c0 // 32, c1 // 32):
+            o, y = b * 34, b * 32 - c0
+            d = _half1(w, o)
             for i in range(32):
-                out[orow, y0 + i] = d * F32(np.int8(w[r, o + 2 + i]))
-        elif qtype == Q4_0:
-            o = b * 18
-            d = _half(w, r, o)
+                _put(out, y + i, d * F32(np.int8(w[o + 2 + i])))
+    elif qtype == Q4_0:
+        for b in range(c0 // 32, c1 // 32):
+            o, y = b * 18, b * 32 - c0
+            d = _half1(w, o)
             for i in range(16):
-                q = w[r, o + 2 + i]
-                out[orow, y0 + i] = d * F32(np.int32(q & 15) - 8)
-                out[orow, y0 + 16 + i] = d * F32(np.int32(q >> 4) - 8)
-        elif qtype == Q6_K:
-            o = b * 210
-            d = _half(w, r, o + 208)
+                q = w[o + 2 + i]
+                _put(out, y + i, d * F32(np.int32(q & 15) - 8))
+                _put(out, y + 16 + i, d * F32(np.int32(q >> 4) - 8))
+    elif qtype == Q6_K:
+        for b in range(c0 // 256, c1 // 256):
+            o, y0 = b * 210, b * 256 - c0
+            d = _half1(w, o + 208)
             for h in range(2):
                 for c in range(4):
                     lo, ho = o + 64 * h + 32 * (c & 1), o + 128 + 32 * h
                     ls, hs = 4 * (c >> 1), 2 * c
                     j = 8 * h + 2 * c
-                    s0 = d * F32(np.int8(w[r, o + 192 + j]))
-                    s1 = d * F32(np.int8(w[r, o + 193 + j]))
                     y = y0 + 128 * h + 32 * c
-                    for i in range(32):
-                        q = ((w[r, lo + i] >> ls) & 15) | (((w[r, ho + i] >> hs) & 3) << 4)
-                        out[orow, y + i] = (s0 if i < 16 else s1) * F32(np.int32(q) - 32)
-        else:  # Q4_K, Q5_K
-            five = qtype == Q5_K
-            o = b * (176 if five else 144)
-            d, dmin = _half(w, r, o), _half(w, r, o + 2)
+                    for half in range(2):
+                        sc = d * F32(np.int8(w[o + 192 + j + half]))
+                        for i in range(16 * half, 16 * half + 16):
+                            q = ((w[lo + i] >> ls) & 15) | (((w[ho + i] >> hs) & 3) << 4)
+                            _put(out, y + i, sc * F32(np.int32(q) - 32))
+    elif qtype == Q4_K:
+        for b in range(c0 // 256, c1 // 256):
+            o, y0 = b * 144, b * 256 - c0
+            d, dmin = _half1(w, o), _half1(w, o + 2)
             for c in range(4):
-                qo = o + (48 if five else 16) + 32 * c
-                sc0, m0 = _scale_min(w, r, o + 4, 2 * c)
-                sc1, m1 = _scale_min(w, r, o + 4, 2 * c + 1)
+                qo = o + 16 + 32 * c
+                sc0, m0 = _scale_min1(w, o + 4, 2 * c)
+                sc1, m1 = _scale_min1(w, o + 4, 2 * c + 1)
                 a0, a1, z0, z1 = d * sc0, d * sc1, dmin * m0, dmin * m1
                 y = y0 + 64 * c
                 for i in range(32):
-                    q = w[r, qo + i]
-                    h0 = h1 = 0
-                    if five:
-                        hb = w[r, o + 16 + i] >> (2 * c)
-                        h0, h1 = (hb & 1) << 4, (hb & 2) << 3
-                    out[orow, y + i] = a0 * F32((q & 15) | h0) - z0
-                    out[orow, y + 32 + i] = a1 * F32((q >> 4) | h1) - z1
+                    q = w[qo + i]
+                    _put(out, y + i, a0 * F32(q & 15) - z0)
+                    _put(out, y + 32 + i, a1 * F32(q >> 4) - z1)
+    else:  # Q5_K
+        for b in range(c0 // 256, c1 // 256):
+            o, y0 = b * 176, b * 256 - c0
+            d, dmin = _half1(w, o), _half1(w, o + 2)
+            for c in range(4):
+                qo = o + 48 + 32 * c
+                sc0, m0 = _scale_min1(w, o + 4, 2 * c)
+                sc1, m1 = _scale_min1(w, o + 4, 2 * c + 1)
+                a0, a1, z0, z1 = d * sc0, d * sc1, dmin * m0, dmin * m1
+                y = y0 + 64 * c
+                for i in range(32):
+                    q = w[qo + i]
+                    hb = w[o + 16 + i] >> (2 * c)
+                    _put(out, y + i, a0 * F32((q & 15) | ((hb & 1) << 4)) - z0)
+                    _put(out, y + 32 + i, a1 * F32((q >> 4) | ((hb & 2) << 3)) - z1)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _scale_min1(w, o, j):
+    """6-bit scale and min of K-quant sub-block j (scale field at byte o of row w)."""
+    if j < 4:
+        return F32(w[o + j] & 63), F32(w[o + j + 4] & 63)
+    sc = (w[o + j + 4] & 15) | ((w[o + j - 4] >> 6) << 4)
+    m = (w[o + j + 4] >> 4) | ((w[o + j] >> 6) << 4)
+    return F32(sc), F32(m)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _dequant(w, qtype, rows, c0, c1):
-    # rows [R] int64 row ids -> [R, c1 - c0] f32
-    out = np.empty((rows.shape[0], c1 - c0), F32)
+def _dequant(w, qtype, rows, c0, c1, out):
+    # rows [R] int64 row ids -> out [R, c1 - c0] f32 (or uint16 bf16 bits)
     for i in prange(rows.shape[0]):
-        _decode_row(w, qtype, rows[i], c0, c1, out, i)
+        _decode_row(w[rows[i]], qtype, c0, c1, out[i])
     return out
 
 
@@ -386,8 +431,12 @@ def qgemv(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:
 
 
 def dequant(w: np.ndarray, qtype: int, k: int, r0: int, r1: int, c0: int = 0,
-            c1: int | None = None) -> np.ndarray:
-    """W[r0:r1, c0:c1] as float32 [r1 - r0, c1 - c0]; c0 and c1 on block boundaries."""
+            c1: int | None = None, bf16: bool = False,
+            out: np.ndarray | None = None) -> np.ndarray:
+    """W[r0:r1, c0:c1] as float32 [r1 - r0, c1 - c0], or with `bf16` as bf16 bits (uint16,
+    rounded to nearest even); c0 and c1 on block boundaries. `out`: a C-contiguous buffer of
+    at least that many elements of that dtype to write into (a reused buffer spares the page
+    faults of a fresh one)."""
     c1 = k if c1 is None else c1
     w = _check(w, qtype, k)
     blk = BLOCK[qtype][0]
@@ -395,7 +444,15 @@ def dequant(w: np.ndarray, qtype: int, k: int, r0: int, r1: int, c0: int = 0,
         raise ValueError(f"tile [{r0}:{r1}, {c0}:{c1}] is outside the tensor or off its "
                          f"{blk}-element blocks")
     use_threads()
-    return _dequant(w, qtype, np.arange(r0, r1, dtype=np.int64), c0, c1)
+    dtype, shape = np.uint16 if bf16 else F32, (r1 - r0, c1 - c0)
+    if out is None:
+        out = np.empty(shape, dtype)
+    else:
+        if out.dtype != dtype or not out.flags.c_contiguous or out.size < shape[0] * shape[1]:
+            raise ValueError(f"out must be a C-contiguous {np.dtype(dtype)} buffer of at least "
+                             f"{shape[0] * shape[1]} elements")
+        out = out.reshape(-1)[: shape[0] * shape[1]].reshape(shape)
+    return _dequant(w, qtype, np.arange(r0, r1, dtype=np.int64), c0, c1, out)
 
 
 def dequant_rows(w: np.ndarray, qtype: int, k: int, ids: np.ndarray) -> np.ndarray:
@@ -405,7 +462,7 @@ def dequant_rows(w: np.ndarray, qtype: int, k: int, ids: np.ndarray) -> np.ndarr
     if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
         raise ValueError("row id out of range")
     use_threads()
-    return _dequant(w, qtype, ids, 0, k)
+    return _dequant(w, qtype, ids, 0, k, np.empty((ids.shape[0], k), F32))
 
 
 def qgemv_ref(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:

@@ -237,6 +237,8 @@ def _quant_linear(mod: Any) -> None:
     with torch.inference_mode():
         small(torch.zeros(1, mod.in_features))  # decode: (q)gemv
         small(torch.zeros(2, mod.in_features))  # prefill: dequantised tiles
+        small.mm_dtype = torch.bfloat16
+        small(torch.zeros(2, mod.in_features))  # prefill: tiles dequantised to bf16
 
 
 def _quant_embedding(mod: Any) -> None:

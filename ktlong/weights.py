@@ -30,11 +30,14 @@ SCRATCH_FLOATS = 1 << 20  # float32 elements of one widened block of weight rows
 _local = threading.local()
 
 
-def _scratch(n: int) -> torch.Tensor:
-    """A float32 buffer of >= n elements, reused by every GEMM of this thread."""
-    buf = getattr(_local, "buf", None)
+def _scratch(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A buffer of >= n elements, one per dtype, reused by every GEMM of this thread (a fresh
+    one would cost its page faults on every tile)."""
+    name = f"buf_{dtype}".replace(".", "_")
+    buf = getattr(_local, name, None)
     if buf is None or buf.numel() < n:
-        buf = _local.buf = torch.empty(n)
+        buf = torch.empty(n, dtype=dtype)
+        setattr(_local, name, buf)
     return buf
 
 
@@ -150,15 +153,25 @@ class QuantLinear(nn.Module):
             y[:, r0:r1] = F.linear(xm, _block(self, r0, r1, 0, k))
         return y
 
-    def tile(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
-        """W[r0:r1, c0:c1] in float32 (c0, c1 on block boundaries); rows in the file's order."""
+    def tile(self, r0: int, r1: int, c0: int, c1: int,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W[r0:r1, c0:c1] in float32 or bfloat16 (c0, c1 on block boundaries); rows in the
+        file's order. A quantised tile lives in this thread's scratch until the next tile."""
         kind = _FLOAT_KINDS.get(self.qt.name)
-        if kind is None:
-            t = kernels.dequant(self.raw, self.qt.ggml, self.in_features, r0, r1, c0, c1)
+        if kind is None and dtype == torch.bfloat16:  # dequantised straight to bf16 bits
+            buf = _scratch((r1 - r0) * (c1 - c0), torch.bfloat16).view(torch.int16).numpy()
+            t = kernels.dequant(self.raw, self.qt.ggml, self.in_features, r0, r1, c0, c1, True,
+                                buf.view(np.uint16))
+            return torch.from_numpy(t).view(torch.bfloat16)  # a view of the scratch
+        if kind is None:  # a view of the scratch
+            t = kernels.dequant(self.raw, self.qt.ggml, self.in_features, r0, r1, c0, c1,
+                                out=_scratch((r1 - r0) * (c1 - c0)).numpy())
         else:
             w = self.raw.view(np.float32 if kind == 0 else np.uint16)[r0:r1, c0:c1]
-            t = np.array(w) if kind == 0 else _widen(w, kind)  # a copy: the file is read-only
-        return torch.from_numpy(t)
+            if kind == 1 and dtype == torch.bfloat16:  # a copy: the file is read-only
+                return torch.from_numpy(np.array(w)).view(torch.bfloat16)
+            t = np.array(w) if kind == 0 else _widen(w, kind)
+        return torch.from_numpy(t).to(dtype)
 
 
 _FLOAT_KINDS = {"F32": 0, "BF16": 1, "F16": 2}  # GGUF float types -> the 16/32-bit GEMV's kind
@@ -201,7 +214,7 @@ def _block(lin: nn.Module, r0: int, r1: int, c0: int, c1: int,
     dequantised, a 16-bit one widened into the scratch (BF16 bits in BF16: a view, no copy)."""
     dtype = dtype or getattr(lin, "mm_dtype", torch.float32)
     if isinstance(lin, QuantLinear):
-        return lin.tile(r0, r1, c0, c1).to(dtype)
+        return lin.tile(r0, r1, c0, c1, dtype)
     if isinstance(lin, HalfLinear):
         if lin.half == dtype:
             return lin.bits.view(lin.half)[r0:r1, c0:c1]
@@ -235,7 +248,10 @@ class GatedMLP(nn.Module):
         # a slice's [rows, step] activations and its widened [hidden, step] down block both small;
         # a quantised down's columns are cut on its blocks
         blk = getattr(down, "block", 1)
-        step = max(64, min(MLP_BLOCK_FLOATS // rows, SCRATCH_FLOATS // hidden))
+        if dt == torch.float32:
+            step = max(64, min(MLP_BLOCK_FLOATS // rows, SCRATCH_FLOATS // hidden))
+        else:  # 16-bit tiles are fresh tensors, not the scratch; a wide slice keeps the
+            step = max(64, MLP_BLOCK_FLOATS // rows) * 2  # down product's inner size large
         step = max(blk, step // blk * blk)
         out = torch.zeros(rows, hidden)
         for j0 in range(0, inter, step):

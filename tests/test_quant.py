@@ -201,3 +201,18 @@ def test_spec_counts_gguf_weights_at_their_size_in_the_file():
     spec = read_spec(path)
     file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
     assert spec.weights_bytes == file_bytes
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequant_to_bf16_is_the_reference_rounded_to_bf16(qtype):
+    from ktlong.kernels.qlinear import BLOCK
+
+    rng = np.random.default_rng(7)
+    raw = quant.quantize(rng.standard_normal((9, 512)).astype(np.float32), qtype)
+    code = quant.TYPES[qtype].ggml
+    blk = BLOCK[code][0]
+    got = kernels.dequant(raw, code, 512, 2, 7, blk, 512, bf16=True)  # [5, 512 - blk] bits
+    ref = torch.from_numpy(quant.dequantize_ref(raw, qtype, 512)[2:7, blk:].copy())
+    assert got.dtype == np.uint16 and got.shape == (5, 512 - blk)
+    want = ref.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # nearest even
+    np.testing.assert_array_equal(got, want)
