@@ -57,19 +57,31 @@ def _xsums(x):
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
+def _half1(w, o):
+    """The f16 at byte o of row w [row_bytes], as float32."""
+    return to_f32(np.int16(np.uint16(w[o]) | (np.uint16(w[o + 1]) << np.uint16(8))))
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _scale_min1(w, o, j):
+    """6-bit scale and min of K-quant sub-block j (scale field at byte o of row w)."""
+    if j < 4:
+        return F32(w[o + j] & 63), F32(w[o + j + 4] & 63)
+    sc = (w[o + j + 4] & 15) | ((w[o + j - 4] >> 6) << 4)
+    m = (w[o + j + 4] >> 4) | ((w[o + j] >> 6) << 4)
+    return F32(sc), F32(m)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
 def _half(w, r, o):
     """The f16 at byte o of row r, as float32."""
-    return to_f32(np.int16(np.uint16(w[r, o]) | (np.uint16(w[r, o + 1]) << np.uint16(8))))
+    return _half1(w[r], o)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _scale_min(w, r, o, j):
-    """6-bit scale and min of K-quant sub-block j (scale field at byte o)."""
-    if j < 4:
-        return F32(w[r, o + j] & 63), F32(w[r, o + j + 4] & 63)
-    sc = (w[r, o + j + 4] & 15) | ((w[r, o + j - 4] >> 6) << 4)
-    m = (w[r, o + j + 4] >> 4) | ((w[r, o + j] >> 6) << 4)
-    return F32(sc), F32(m)
+    """6-bit scale and min of K-quant sub-block j (scale field at byte o of row r)."""
+    return _scale_min1(w[r], o, j)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -98,39 +110,23 @@ def _dot_q4_0(w, r, x, xs):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot_q4_k(w, r, x, xs):
+def _dot_q45_k(w, r, x, xs, five):
+    """Q4_K, or with `five` Q5_K (a fifth bit per value from qh)."""
     acc = F32(0)
     for b in range(x.shape[0] // 256):
-        o = b * 144
+        o = b * (176 if five else 144)
         d, dmin = _half(w, r, o), _half(w, r, o + 2)
         for c in range(4):
-            qo, xo = o + 16 + 32 * c, b * 256 + 64 * c
+            qo, xo = o + (48 if five else 16) + 32 * c, b * 256 + 64 * c
             s0 = s1 = F32(0)
             for i in range(32):
                 q = w[r, qo + i]
-                s0 += F32(q & 15) * x[xo + i]
-                s1 += F32(q >> 4) * x[xo + 32 + i]
-            sc0, m0 = _scale_min(w, r, o + 4, 2 * c)
-            sc1, m1 = _scale_min(w, r, o + 4, 2 * c + 1)
-            j = b * 16 + 4 * c
-            acc += d * (sc0 * s0 + sc1 * s1) - dmin * (
-                m0 * (xs[j] + xs[j + 1]) + m1 * (xs[j + 2] + xs[j + 3]))
-    return acc
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def _dot_q5_k(w, r, x, xs):
-    acc = F32(0)
-    for b in range(x.shape[0] // 256):
-        o = b * 176
-        d, dmin = _half(w, r, o), _half(w, r, o + 2)
-        for c in range(4):
-            qo, ho, xo = o + 48 + 32 * c, o + 16, b * 256 + 64 * c
-            s0 = s1 = F32(0)
-            for i in range(32):
-                q, h = w[r, qo + i], w[r, ho + i] >> (2 * c)
-                s0 += F32((q & 15) | ((h & 1) << 4)) * x[xo + i]
-                s1 += F32((q >> 4) | ((h & 2) << 3)) * x[xo + 32 + i]
+                h0 = h1 = 0
+                if five:
+                    h = w[r, o + 16 + i] >> (2 * c)
+                    h0, h1 = (h & 1) << 4, (h & 2) << 3
+                s0 += F32((q & 15) | h0) * x[xo + i]
+                s1 += F32((q >> 4) | h1) * x[xo + 32 + i]
             sc0, m0 = _scale_min(w, r, o + 4, 2 * c)
             sc1, m1 = _scale_min(w, r, o + 4, 2 * c + 1)
             j = b * 16 + 4 * c
@@ -167,13 +163,13 @@ def _dot_q6_k(w, r, x, xs):
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _dot(w, qtype, r, x, xs):
     if qtype == Q4_K:
-        return _dot_q4_k(w, r, x, xs)
+        return _dot_q45_k(w, r, x, xs, False)
     if qtype == Q6_K:
         return _dot_q6_k(w, r, x, xs)
     if qtype == Q8_0:
         return _dot_q8_0(w, r, x, xs)
     if qtype == Q5_K:
-        return _dot_q5_k(w, r, x, xs)
+        return _dot_q45_k(w, r, x, xs, True)
     return _dot_q4_0(w, r, x, xs)
 
 
@@ -321,12 +317,6 @@ def _put_impl(out, j, v):
     return put_f32
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _half1(w, o):
-    """The f16 at byte o of row w [row_bytes], as float32."""
-    return to_f32(np.int16(np.uint16(w[o]) | (np.uint16(w[o + 1]) << np.uint16(8))))
-
-
 @njit(fastmath=FASTMATH, cache=True)
 def _decode_row(w, qtype, c0, c1, out):
     """out [c1 - c0] = dequantised row w [row_bytes] over columns c0:c1 (on block boundaries);
@@ -361,45 +351,25 @@ def _decode_row(w, qtype, c0, c1, out):
                         for i in range(16 * half, 16 * half + 16):
                             q = ((w[lo + i] >> ls) & 15) | (((w[ho + i] >> hs) & 3) << 4)
                             _put(out, y + i, sc * F32(np.int32(q) - 32))
-    elif qtype == Q4_K:
+    else:  # Q4_K, Q5_K (a fifth bit per value from qh)
+        five = qtype == Q5_K
         for b in range(c0 // 256, c1 // 256):
-            o, y0 = b * 144, b * 256 - c0
+            o, y0 = b * (176 if five else 144), b * 256 - c0
             d, dmin = _half1(w, o), _half1(w, o + 2)
             for c in range(4):
-                qo = o + 16 + 32 * c
+                qo = o + (48 if five else 16) + 32 * c
                 sc0, m0 = _scale_min1(w, o + 4, 2 * c)
                 sc1, m1 = _scale_min1(w, o + 4, 2 * c + 1)
                 a0, a1, z0, z1 = d * sc0, d * sc1, dmin * m0, dmin * m1
                 y = y0 + 64 * c
                 for i in range(32):
                     q = w[qo + i]
-                    _put(out, y + i, a0 * F32(q & 15) - z0)
-                    _put(out, y + 32 + i, a1 * F32(q >> 4) - z1)
-    else:  # Q5_K
-        for b in range(c0 // 256, c1 // 256):
-            o, y0 = b * 176, b * 256 - c0
-            d, dmin = _half1(w, o), _half1(w, o + 2)
-            for c in range(4):
-                qo = o + 48 + 32 * c
-                sc0, m0 = _scale_min1(w, o + 4, 2 * c)
-                sc1, m1 = _scale_min1(w, o + 4, 2 * c + 1)
-                a0, a1, z0, z1 = d * sc0, d * sc1, dmin * m0, dmin * m1
-                y = y0 + 64 * c
-                for i in range(32):
-                    q = w[qo + i]
-                    hb = w[o + 16 + i] >> (2 * c)
-                    _put(out, y + i, a0 * F32((q & 15) | ((hb & 1) << 4)) - z0)
-                    _put(out, y + 32 + i, a1 * F32((q >> 4) | ((hb & 2) << 3)) - z1)
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _scale_min1(w, o, j):
-    """6-bit scale and min of K-quant sub-block j (scale field at byte o of row w)."""
-    if j < 4:
-        return F32(w[o + j] & 63), F32(w[o + j + 4] & 63)
-    sc = (w[o + j + 4] & 15) | ((w[o + j - 4] >> 6) << 4)
-    m = (w[o + j + 4] >> 4) | ((w[o + j] >> 6) << 4)
-    return F32(sc), F32(m)
+                    h0 = h1 = 0
+                    if five:
+                        hb = w[o + 16 + i] >> (2 * c)
+                        h0, h1 = (hb & 1) << 4, (hb & 2) << 3
+                    _put(out, y + i, a0 * F32((q & 15) | h0) - z0)
+                    _put(out, y + 32 + i, a1 * F32((q >> 4) | h1) - z1)
 
 
 @njit(parallel=True, nogil=True, cache=True)
