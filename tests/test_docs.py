@@ -10,7 +10,8 @@ from ktlong import config, configdoc
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-USER_DOCS = [README, *sorted(p for p in (ROOT / "docs").iterdir() if p.is_file()),
+USER_DOCS = [README, *sorted(p for p in (ROOT / "docs").iterdir()
+                             if p.is_file() and p.suffix in (".md", ".sh")),
              *sorted((ROOT / "profiles").glob("*.yaml"))]
 # "session 9", "sessions 3-7", "run 12", "runs 18-22"; a flag such as `--decode-runs 5` is fine
 NOTEBOOK = re.compile(r"(?<![-\w])(sessions?|runs?) [0-9]", re.IGNORECASE)
