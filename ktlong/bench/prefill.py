@@ -59,7 +59,7 @@ def _fill_random(sess: Any, upto: int, seed: int) -> None:
     import torch
 
     store = sess.store
-    have = store.length()
+    have = store.length
     if upto <= have:
         return
     sh = store.shape
