@@ -39,6 +39,8 @@ ProfileOpt = Annotated[str | None, typer.Option(
     help="Settings profile: default, dense, minference, quest, snapkv, infllm, streamingllm, "
          "kvretrieval, one in $KTLONG_HOME/profiles, or a .yaml path.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
+ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", min=0,
+                                        help="CPU threads (0 = all cores).")]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", "-s", metavar="KEY=VALUE", show_default=False,
     help="Set any setting; repeatable. `ktlong inspect config --explain` lists them.")]
@@ -450,8 +452,7 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                  = "16384,65536,131072,262144,1048576",
                  repeats: Annotated[int, typer.Option(
                      min=1, help="Rounds; each times every path at every length once.")] = 5,
-                 threads: Annotated[int, typer.Option(
-                     "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                 threads: ThreadsOpt = 0,
                  quest: Annotated[bool, typer.Option(
                      "--quest", help="Score blocks by Quest's min/max bound (2 anchors, the "
                                      "recall profile) instead of one anchor (default).")] = False,
@@ -473,8 +474,7 @@ def bench_gemv(types: Annotated[str, typer.Option(
                = "Q4_K,Q6_K,Q8_0,Q4_0,F16",
                repeats: Annotated[int, typer.Option(
                    min=1, help="Rounds; each times the GEMVs and the bandwidth probe once.")] = 7,
-               threads: Annotated[int, typer.Option(
-                   "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+               threads: ThreadsOpt = 0,
                as_json: JsonOpt = False) -> None:
     """Decode GEMV over quantised 8B-width weights: GB/s of weight bytes against the machine's
     streaming bandwidth."""
@@ -505,8 +505,7 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                   transformers: Annotated[bool, typer.Option(
                       "--transformers/--no-transformers",
                       help="Also time transformers' one-shot forward.")] = True,
-                  threads: Annotated[int, typer.Option(
-                      "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                  threads: ThreadsOpt = 0,
                   chunk_sizes: Annotated[str, typer.Option(
                       help="ktlong's prefill chunk sizes to compare, comma-separated "
                            "(default: the size ktlong prefills with on the CPU).")]
@@ -545,8 +544,7 @@ def bench_accuracy(model: ModelOpt = None,
                    = "dense,default,quest,kvretrieval,streamingllm",
                    plot: PlotOpt = None, png: PngOpt = None,
                    seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
-                   threads: Annotated[int, typer.Option(
-                       "--threads", "-t", min=0, help="CPU threads (0 = all cores).")] = 0,
+                   threads: ThreadsOpt = 0,
                    as_json: JsonOpt = False) -> None:
     """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
     plot_file = _plot_file(plot, png)
