@@ -290,9 +290,11 @@ def _qgemv_vnni(w, qtype, x):
     n, rb, k = w.shape[0], w.shape[1], x.shape[0]
     kq = qtype == Q4_K or qtype == Q5_K or qtype == Q6_K
     xc, dx, s16, s32 = _quantise_x(x, 256 if kq else 32)
-    wa, xa, s16a, s32a = w.ctypes.data, xc.ctypes.data, s16.ctypes.data, s32.ctypes.data
     out = np.empty(n, F32)
     for it in prange((n + RB - 1) // RB):
+        # raw addresses taken here, inside the loop: Numba frees an array after its last use,
+        # so addresses taken before the loop could point at memory `out` (or anything) reuses
+        wa, xa, s16a, s32a = w.ctypes.data, xc.ctypes.data, s16.ctypes.data, s32.ctypes.data
         for r in range(it * RB, min(n, it * RB + RB)):
             if kq:
                 out[r] = _vdot_k(qtype, wa + r * rb, xa, dx, s16a, s32a, k)

@@ -216,3 +216,28 @@ def test_dequant_to_bf16_is_the_reference_rounded_to_bf16(qtype):
     assert got.dtype == np.uint16 and got.shape == (5, 512 - blk)
     want = ref.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # nearest even
     np.testing.assert_array_equal(got, want)
+
+
+def test_qgemv_stays_exact_whatever_the_heap_holds():
+    """Many calls of varied sizes with allocations between them: the int8 path's codes of x must
+    live until its loop ends (addresses taken before the loop once read memory that the output
+    array reused: ~2% of calls wrong)."""
+    from ktlong.kernels import qlinear as qk
+
+    wrong = []
+    for trial in range(150):
+        qtype = ["Q5_K", "Q4_K", "Q6_K", "Q8_0", "Q4_0"][trial % 5]
+        k, n = [256, 512, 1280, 2048][trial % 4], 1 + (trial * 7) % 90
+        rng = np.random.default_rng(trial)
+        t = quant.TYPES[qtype]
+        raw = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+        x = rng.standard_normal(k).astype(np.float32)
+        junk = [np.empty(int(s)) for s in rng.integers(1, 400, 5)]  # noqa: F841  (heap churn)
+        group = 256 if t.block == 256 else 32
+        codes, dx, _, _ = qk._quantise_x(x, group)
+        want = quant.dequantize_ref(raw, qtype, k).astype(np.float64) @ (
+            codes.astype(np.float64) * np.repeat(dx, group))
+        got = kernels.qgemv(raw, t.ggml, x)
+        if not np.allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max()):
+            wrong.append((qtype, k, n))
+    assert not wrong
