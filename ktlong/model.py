@@ -338,35 +338,47 @@ def gguf_expected_size(buf: Any, size: int) -> int:
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
     """A `gguf.GGUFReader` over the file, or one clear line on what is wrong with it: truncated
-    (its size against the size its header gives), not a GGUF file, or otherwise damaged."""
-    import mmap
-
+    (its size against the size its header gives), not a GGUF file, or otherwise damaged. A good
+    file's header is parsed once, by the reader; ktlong's own parse only explains a failure."""
     import gguf  # light: numpy only
 
     p = Path(path)
-    fix = "download or copy the file again"
-    with open(p, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise KtlongError(f"{p} is empty (0 bytes), not a GGUF model", hint=fix)
-        try:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                expected = gguf_expected_size(m, size)
-        except _HeaderCut:
-            raise KtlongError(f"{p} is truncated or damaged: its GGUF header runs past the end "
-                              f"of the file ({size:,} bytes)", hint=fix) from None
-        except ValueError as e:
-            raise KtlongError(f"{p} is not a valid GGUF file: {e}",
-                              hint=f"it is damaged or not a GGUF model; {fix}") from None
-    if size < expected:
-        raise KtlongError(f"{p} is truncated: {size:,} bytes, but its header says {expected:,}",
-                          hint=fix)
+    size = p.stat().st_size
+    if size == 0:
+        raise KtlongError(f"{p} is empty (0 bytes), not a GGUF model", hint=_REFETCH)
     try:
-        return gguf.GGUFReader(str(p), "r")
+        reader = gguf.GGUFReader(str(p), "r")
     except Exception as e:  # the reader raises assorted errors on damaged files
-        first = (str(e).splitlines() or [""])[0]
-        raise KtlongError(f"{p} is damaged: the GGUF reader failed ({type(e).__name__}: "
-                          f"{first})", hint=fix) from None
+        raise _gguf_damage(p, size, e) from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if size < end:
+        raise KtlongError(f"{p} is truncated: {size:,} bytes, but its header says {end:,}",
+                          hint=_REFETCH)
+    return reader
+
+
+_REFETCH = "download or copy the file again"
+
+
+def _gguf_damage(p: Path, size: int, err: Exception) -> KtlongError:
+    """The line for a GGUF file the reader failed on, from ktlong's own parse of its header."""
+    import mmap
+
+    try:
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            expected = gguf_expected_size(m, size)
+    except _HeaderCut:
+        return KtlongError(f"{p} is truncated or damaged: its GGUF header runs past the end of "
+                           f"the file ({size:,} bytes)", hint=_REFETCH)
+    except ValueError as e:
+        return KtlongError(f"{p} is not a valid GGUF file: {e}",
+                           hint=f"it is damaged or not a GGUF model; {_REFETCH}")
+    if size < expected:
+        return KtlongError(f"{p} is truncated: {size:,} bytes, but its header says "
+                           f"{expected:,}", hint=_REFETCH)
+    first = (str(err).splitlines() or [""])[0]
+    return KtlongError(f"{p} is damaged: the GGUF reader failed ({type(err).__name__}: {first})",
+                       hint=_REFETCH)
 
 
 def _read_gguf_spec(path: Path) -> ModelSpec:

@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -125,14 +124,6 @@ def _marker(key: str) -> Path:
     return kernels.cache_dir() / "warm" / key
 
 
-def cold_parts(lm: Any, settings: Any) -> list[Part]:
-    """The parts whose kernels this version has not compiled here yet."""
-    from ktlong import kernels
-
-    return [p for p in parts(lm, settings)
-            if p.key not in _done and kernels.cache_is_cold(parts=[p.key])]
-
-
 def _times_file() -> Path:
     from ktlong import kernels
 
@@ -159,10 +150,10 @@ def warm_up(lm: Any, settings: Any, note: Note | None = None) -> float:
         todo = [p for p in parts(lm, settings) if p.key not in _done]
         if not todo:
             return 0.0
-        cold = [p for p in todo if p.key in {c.key for c in cold_parts(lm, settings)}]
-        if cold:
-            from ktlong import kernels
+        from ktlong import kernels
 
+        cold = [p for p in todo if kernels.cache_is_cold(parts=[p.key])]
+        if cold:
             (note or _stderr)(f"compiling kernels, once, ~{_estimate(cold):.0f} s "
                               f"(cached in {kernels.cache_dir()})")
         c0 = compile_seconds()
@@ -170,7 +161,7 @@ def warm_up(lm: Any, settings: Any, note: Note | None = None) -> float:
             t0 = compile_seconds()
             p.run()
             _done.add(p.key)
-            if p in cold:
+            if p in cold:  # the same Part objects
                 _mark(p, compile_seconds() - t0)
         return compile_seconds() - c0
 
@@ -198,16 +189,6 @@ def work_clock() -> float:
     """`time.perf_counter()` less the compile time so far: intervals on it leave compiling out
     (for benchmarks that time with their own stamps)."""
     return time.perf_counter() - compile_seconds()
-
-
-@contextmanager
-def no_compile_time(out: dict[str, float]) -> Iterator[None]:
-    """Time a block: `out["s"]` is its wall time less what Numba spent compiling inside it."""
-    t0, c0 = time.perf_counter(), compile_seconds()
-    try:
-        yield
-    finally:
-        out["s"] = max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))
 
 
 # --- weights -------------------------------------------------------------------------------------

@@ -250,8 +250,8 @@ class GatedMLP(nn.Module):
         blk = getattr(down, "block", 1)
         if dt == torch.float32:
             step = max(64, min(MLP_BLOCK_FLOATS // rows, SCRATCH_FLOATS // hidden))
-        else:  # 16-bit tiles are fresh tensors, not the scratch; a wide slice keeps the
-            step = max(64, MLP_BLOCK_FLOATS // rows) * 2  # down product's inner size large
+        else:  # BF16 tiles have their own scratch, sized by the slice; a wide slice keeps
+            step = max(64, MLP_BLOCK_FLOATS // rows) * 2  # the down product's inner size large
         step = max(blk, step // blk * blk)
         out = torch.zeros(rows, hidden)
         for j0 in range(0, inter, step):
@@ -331,7 +331,8 @@ def bf16_prefill(width: int, mode: str) -> bool:
 
 def set_prefill_matmul(model: nn.Module, mode: str) -> str:
     """Set the prefill matmul precision of `model`'s CPU weight modules: mode AUTO | BF16 | FP32
-    (the `prefill_matmul` setting). Returns what the widest layer uses: "BF16" or "FP32"."""
+    (the `prefill_matmul` setting). Returns "BF16" if any module multiplies in BF16, else
+    "FP32"."""
     held = "FP32"
     for mod in model.modules():
         if isinstance(mod, (HalfLinear, QuantLinear)):
