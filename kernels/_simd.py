@@ -1,8 +1,9 @@
 """Scalar Numba helpers: KV element decoding, a vectorising exp2, KV storage conversions.
 
-Inside the kernels the KV dtype is carried by the array's element type (no branch in hot loops):
-float32 = FP32, uint16 = BF16 bits, int16 = FP16 bits. Parallel entry points take KV as raw bytes
-(`kv_bytes`) plus kv_kind and view them back, so each is compiled once for all three dtypes.
+Inside the kernels the KV format is carried by the array's element type (no branch in hot loops):
+float32 = FP32, uint16 = BF16 bits, int16 = FP16 bits, int32 = Q8_0 rows, uint32 = Q4_0 rows
+(kvquant.py). Parallel entry points take KV as raw bytes (`kv_bytes`) plus kv_kind and view them
+back, so each is compiled once for all the formats.
 """
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf i
 
 
 def kv_bytes(name: str, a: np.ndarray, kv_kind: int) -> np.ndarray:
-    """KV storage [Hkv, nb, bs, d] (float32 or uint16 bits) as a read-only uint8 view."""
-    size = 4 if kv_kind == 0 else 2
+    """KV storage [Hkv, nb, bs, row] (float32, uint16 bits, or uint8 quantised rows) as a
+    read-only uint8 view."""
+    size = 4 if kv_kind == 0 else 2 if kv_kind <= 2 else 1
     if a.ndim != 4 or not a.flags.c_contiguous or a.dtype.itemsize != size:
-        raise ValueError(f"{name} must be a C-contiguous [Hkv, nb, bs, d] array of "
+        raise ValueError(f"{name} must be a C-contiguous [Hkv, nb, bs, row] array of "
                          f"{size}-byte elements for kv_kind {kv_kind}, got {a.dtype} {a.shape}")
     if kv_kind == 1 and a.shape[3] % 2:
         raise ValueError("BF16 KV needs an even head_dim")
+    if kv_kind >= 3 and a.shape[3] % 4:
+        raise ValueError(f"{name}: quantised KV rows are a multiple of 4 bytes, got {a.shape[3]}")
     v = a.view(np.uint8, np.ndarray)  # C-contiguous (checked): one NumPy call, no copy
     v.flags.writeable = False
     return v
@@ -54,6 +58,9 @@ def readonly(a: np.ndarray, dtype=None) -> np.ndarray:
 
 def kv_to_f64(a: np.ndarray, kv_kind: int) -> np.ndarray:
     """Decode KV storage to float64 in NumPy (for the references)."""
+    if kv_kind >= 3:
+        from .kvquant import decode_ref, head_dim_of
+        return decode_ref(a, kv_kind, head_dim_of(kv_kind, a.shape[-1]))
     if kv_kind == 0:
         return a.astype(np.float64)
     if kv_kind == 1:
@@ -62,8 +69,11 @@ def kv_to_f64(a: np.ndarray, kv_kind: int) -> np.ndarray:
 
 
 def f32_to_kv(x: np.ndarray, kv_kind: int) -> np.ndarray:
-    """Encode float32 to KV storage (bf16 by round-to-nearest-even)."""
+    """Encode float32 to KV storage (bf16 by round-to-nearest-even; Q8_0 / Q4_0 rows)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
+    if kv_kind >= 3:
+        from .kvquant import encode_ref
+        return encode_ref(x, kv_kind)
     if kv_kind == 0:
         return x
     if kv_kind == 2:

@@ -4,7 +4,8 @@ Hot loops address rows by raw address (`row_addr`) and 2-D arrays by (row, col),
 array views: a view costs two atomic reference-count updates, shared between threads.
 A KV row of d channels is read in groups of 2W channels, each as two vectors (e, o):
   BF16: W uint32 words hold channel pairs: e = even channels, o = odd channels (shift / mask,
-        no shuffles); FP32 / FP16: e = the group's first W channels, o = the next W.
+        no shuffles); FP32 / FP16 / Q8_0: e = the group's first W channels, o = the next W;
+  Q4_0: W code bytes: e = their low nibbles, o = their high nibbles (kvquant.py's layout).
 Queries and accumulators use the same packed order (see `packed_channels`).
 """
 from __future__ import annotations
@@ -43,7 +44,13 @@ def packed_channels(d: int, kv_kind: int) -> np.ndarray:
     """Original channel of each packed position (-1 = padding): [n_groups * 2W] int64."""
     pos = np.arange(-(-d // (2 * W)) * 2 * W)
     grp, lane = pos // (2 * W), pos % (2 * W)
-    ch = grp * 2 * W + 2 * (lane % W) + lane // W if kv_kind == 1 else pos
+    if kv_kind == 1:
+        ch = grp * 2 * W + 2 * (lane % W) + lane // W
+    elif kv_kind == 4:  # code byte grp*W + lane % W; its high nibble is 16 channels on
+        byte = grp * W + lane % W
+        ch = byte // 16 * 32 + byte % 16 + 16 * (lane // W)
+    else:
+        ch = pos
     return np.where(ch < d, ch, -1)
 
 
@@ -160,11 +167,13 @@ def _masked_load(builder, ptr, first, n, vty):
 def vload2(typingctx, tag, addr, d, grp):
     """Channel group `grp` (channels 2W*grp ..) of the d-channel KV row at address `addr`, as
     float32 vectors (e, o), zeros past d. The element type comes from `tag` (any KV array):
-    float32 (FP32), uint16 (BF16 bits, d even), int16 (FP16 bits) or int8 (8-bit codes, read as
-    their integer values).
+    float32 (FP32), uint16 (BF16 bits, d even), int16 (FP16 bits), int8 (8-bit codes, read as
+    their integer values), int32 (a Q8_0 row) or uint32 (a Q4_0 row); quantised rows have
+    d % 32 == 0 and are scaled by their block's float16 scale.
     """
     if not isinstance(tag, types.Array) or tag.dtype not in (types.float32, types.uint16,
-                                                             types.int16, types.int8):
+                                                             types.int16, types.int8,
+                                                             types.int32, types.uint32):
         return None
     dt = tag.dtype
 
@@ -173,6 +182,9 @@ def vload2(typingctx, tag, addr, d, grp):
         n = context.cast(builder, args[2], sig.args[2], types.intp)
         g2 = builder.mul(context.cast(builder, args[3], sig.args[3], types.intp),
                          ir.Constant(intp, 2 * W))  # first channel of the group
+        if dt in (types.int32, types.uint32):
+            return context.make_tuple(builder, sig.return_type,
+                                      _quant_pair(builder, dt == types.uint32, args[1], n, g2))
         if dt == types.uint16:  # W words of channel pairs: shift / mask, no shuffles
             two = ir.Constant(intp, 2)
             wvec = ir.VectorType(_I32, W)
@@ -198,6 +210,35 @@ def vload2(typingctx, tag, addr, d, grp):
                 o = builder.sitofp(builder.sext(o, ir.VectorType(_I32, W)), _VEC)
         return context.make_tuple(builder, sig.return_type, [e, o])
     return types.UniTuple(vec, 2)(tag, addr, d, grp), codegen
+
+
+def _quant_pair(builder, q4, addr, d, g2):
+    """(e, o) of channel group starting at channel g2 of a Q8_0 / Q4_0 row at address addr."""
+    i8, i16, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+    ivec = ir.VectorType(_I32, W)
+    base = builder.inttoptr(addr, i8.as_pointer())
+    if q4:
+        x = builder.load(builder.bitcast(builder.gep(base, [builder.lshr(g2, ir.Constant(i64, 1))]),
+                                         ir.VectorType(i8, W).as_pointer()), align=1)
+        x = builder.zext(x, ivec)
+        eight = ir.Constant(ivec, [8] * W)
+        e = builder.sub(builder.and_(x, ir.Constant(ivec, [15] * W)), eight)
+        o = builder.sub(builder.lshr(x, ir.Constant(ivec, [4] * W)), eight)
+        codes = builder.lshr(d, ir.Constant(i64, 1))
+    else:
+        src = ir.VectorType(i8, W).as_pointer()
+        g2w = builder.add(g2, ir.Constant(i64, W))
+        e, o = (builder.sext(builder.load(builder.bitcast(builder.gep(base, [g]), src), align=1),
+                             ivec) for g in (g2, g2w))
+        codes = d
+    # the block's float16 scale: at byte codes + 2 * (g2 // 32)
+    blk = builder.lshr(g2, ir.Constant(i64, 5))
+    off = builder.add(codes, builder.shl(blk, ir.Constant(i64, 1)))
+    h = builder.load(builder.bitcast(builder.gep(base, [off]), i16.as_pointer()), align=1)
+    s = builder.fpext(builder.bitcast(h, ir.HalfType()), ir.FloatType())
+    sv = builder.insert_element(ir.Constant(_VEC, None), s, ir.Constant(_I32, 0))
+    sv = builder.shuffle_vector(sv, sv, ir.Constant(ivec, None))
+    return (builder.fmul(builder.sitofp(e, _VEC), sv), builder.fmul(builder.sitofp(o, _VEC), sv))
 
 
 @intrinsic

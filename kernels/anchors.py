@@ -48,6 +48,7 @@ from ._vec import (
     vzero,
 )
 from .attention import channel_perm, ids_in_range, pack_rows
+from .kvquant import head_dim_of, row_to_f32
 from .threads import use_threads
 
 ANCHOR_TYPES = {"MAX": 0, "MEAN": 1, "QUEST": 2, "FIX": 3, "DYNAMIC": 4}
@@ -147,6 +148,14 @@ def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, fmt, to
             _block(kb.view(np.uint16), kind, out, sc)
         elif dtype == 2:
             _block(kb.view(np.int16), kind, out, sc)
+        elif dtype >= 3:  # quantised rows: decode the block first
+            x = np.empty((bs, d), F32)
+            for t in range(bs):
+                if dtype == 3:
+                    row_to_f32(kb[t].view(np.int32), x[t])
+                else:
+                    row_to_f32(kb[t].view(np.uint32), x[t])
+            _block(x, kind, out, sc)
         else:
             _block(kb.view(F32), kind, out, sc)
         if fmt == FMT_Q8:
@@ -177,7 +186,8 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     if anchor_type not in ANCHOR_TYPES:
         raise ValueError(f"unknown anchor_type {anchor_type!r}")
     kind = ANCHOR_TYPES[anchor_type]
-    hkv, _, bs, d = k_tail.shape
+    hkv, _, bs, row = k_tail.shape
+    d = head_dim_of(kv_kind, row)
     raw, fmt = anchor_bytes(anchors, write=True)
     want = (hkv, anchors.shape[1], anchor_num, d + (Q8_EXTRA if fmt == FMT_Q8 else 0))
     if anchors.shape != want:
@@ -201,7 +211,7 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
 def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
                         token_scores=None, *, kv_kind):
     """float64 NumPy reference of `compute_anchors` (writes into `anchors`, any format)."""
-    hkv, _, bs, d = k_tail.shape
+    hkv, _, bs, _ = k_tail.shape
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
     fmt = anchor_format(anchors)
     for b in range(first, last):

@@ -37,6 +37,7 @@ from ._vec import (
     vsum4,
     vzero,
 )
+from .kvquant import head_dim_of, kv_dim, kv_row_bytes
 from .threads import use_threads
 
 CH = 128  # rows per chunk (a multiple of 4): the next chunk is prefetched during this one
@@ -87,7 +88,7 @@ def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
     once; in this kernel 0.90-1.03x the time, mostly within the noise; docs/benchmarks.md.)
     """
     ng = qp.shape[1] // (2 * W)
-    nl = -(-d * tag.itemsize // 64)  # cache lines per row
+    nl = -(-kv_row_bytes(tag, d) // 64)  # cache lines per row
     lpg = nl // ng  # lines prefetched with each channel group
     rest = lpg * ng < nl  # lines the groups leave over, taken at the tile's start (AVX2: all)
     for t in range(0, nt, 4):
@@ -144,7 +145,7 @@ def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
     Rows pf[:npf] are prefetched as in qk_tiles.
     """
     ng = acc.shape[1] // (2 * W)
-    nl = -(-d * tag.itemsize // 64)
+    nl = -(-kv_row_bytes(tag, d) // 64)
     lpg = nl // ng
     rest = lpg * ng < nl
     for t in range(0, nt, 4):
@@ -265,7 +266,7 @@ def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc_out
         for r in range(0, nxt, step):
             touch(ra[1 - cur, r])
             touch(rv[1 - cur, r])
-        _chunk(qp, k_tail, ra[cur], rv[cur], nt, k_tail.shape[3], s, acc, m, den, ra[1 - cur],
+        _chunk(qp, k_tail, ra[cur], rv[cur], nt, kv_dim(k_tail), s, acc, m, den, ra[1 - cur],
                rv[1 - cur], nxt)
         nt, cur = nxt, 1 - cur
     acc_out[:, :] = acc
@@ -276,7 +277,7 @@ def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc_out
 @njit(parallel=True, nogil=True, cache=True)
 def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_blocks, n_tokens, n_split,
             scale, perm):
-    # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, d*size]; blocks [S, n] int32; perm [P] (packing)
+    # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, row bytes]; blocks [S, n] int32; perm [P] (packing)
     if not ids_in_range(blocks, n_blocks):
         raise ValueError("block id out of range")
     hkv = k_tail.shape[0]
@@ -304,6 +305,12 @@ def attend_item(qp, k_base, v_base, k_tail, v_tail, kind, nb_base, ids, n_tokens
     elif kind == 2:
         _item(qp, k_base.view(np.int16), v_base.view(np.int16), k_tail.view(np.int16),
               v_tail.view(np.int16), *args)
+    elif kind == 3:
+        _item(qp, k_base.view(np.int32), v_base.view(np.int32), k_tail.view(np.int32),
+              v_tail.view(np.int32), *args)
+    elif kind == 4:
+        _item(qp, k_base.view(np.uint32), v_base.view(np.uint32), k_tail.view(np.uint32),
+              v_tail.view(np.uint32), *args)
     else:
         _item(qp, k_base.view(F32), v_base.view(F32), k_tail.view(F32), v_tail.view(F32), *args)
 
@@ -387,9 +394,9 @@ class LayerKV(NamedTuple):
     Valid while the four arrays are the ones it was made from (a KV store allocates its arrays
     once)."""
 
-    k_base: np.ndarray  # read-only bytes [Hkv, nb_base, bs, d * size]
+    k_base: np.ndarray  # read-only bytes [Hkv, nb_base, bs, row bytes]
     v_base: np.ndarray
-    k_tail: np.ndarray  # read-only bytes [Hkv, nb_tail_cap, bs, d * size]
+    k_tail: np.ndarray  # read-only bytes [Hkv, nb_tail_cap, bs, row bytes]
     v_tail: np.ndarray
     nb_base: int
     kv_kind: int
@@ -414,16 +421,18 @@ def layer_kv(k_base, v_base, k_tail, v_tail, nb_base, kv_kind) -> LayerKV:
     """The checked, read-only byte views of a layer's K/V arrays (see `attend_blocks`)."""
     kv = [kv_bytes(name, a, kv_kind) for name, a in
           (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail))]
-    hkv, _, bs, d = k_tail.shape
+    hkv, _, bs, row = k_tail.shape
+    d = head_dim_of(kv_kind, row)
     return LayerKV(*kv, nb_base, kv_kind, hkv, bs, d, channel_perm(d, kv_kind))
 
 
 def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
     """Exact attention of one query token over the listed blocks.
 
-    q [Hq, d] f32; k/v_base [Hkv, nb_base, bs, d], k/v_tail [Hkv, nb_tail_cap, bs, d] (float32 or
-    uint16 bits per kv_kind 0 FP32, 1 BF16, 2 FP16); blocks int32 [S, n] with S 1 (SHARED) or Hkv,
-    ascending, no repeats. Returns out [Hq, d] f32 and lse [Hq] f32 (natural log of the summed
+    q [Hq, d] f32; k/v_base [Hkv, nb_base, bs, row], k/v_tail [Hkv, nb_tail_cap, bs, row]
+    (float32, uint16 bits or uint8 rows per kv_kind 0 FP32, 1 BF16, 2 FP16, 3 Q8_0, 4 Q4_0);
+    blocks int32 [S, n] with S 1 (SHARED) or Hkv, ascending, no repeats. Returns out [Hq, d] f32
+    and lse [Hq] f32 (natural log of the summed
     exp(scale * q.k); -inf and out 0 for a head with no tokens).
     """
     return attend_layer(layer_kv(k_base, v_base, k_tail, v_tail, nb_base, kv_kind), q, blocks,
@@ -448,7 +457,8 @@ def items_per_head(hkv: int) -> int:
 
 def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
     """float64 NumPy reference of `attend_blocks` (returns float64)."""
-    hkv, _, bs, d = k_tail.shape
+    hkv, _, bs, _ = k_tail.shape
+    d = q.shape[1]
     g = q.shape[0] // hkv
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
     v = np.concatenate([kv_to_f64(v_base, kv_kind), kv_to_f64(v_tail, kv_kind)], axis=1)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, LOG2E, NEG_INF, kv_to_f64, to_f32
+from ._simd import F32, FASTMATH, LOG2E, NEG_INF, kv_to_f64
 from ._vec import (
     W,
     vadd,
@@ -37,6 +37,7 @@ from ._vec import (
     vzero,
 )
 from .attention import LayerKV
+from .kvquant import kv_dim, row_to_f32
 from .threads import use_threads
 
 QB = 64  # query rows per index block (and the pooling block of Block-Sparse)
@@ -256,10 +257,11 @@ def _row(k_base, k_tail, nb_base, j, t):
 def _load_kt(k_base, k_tail, nb_base, j, pos, n, kt):
     """kt[c, i] = K[j, pos[i], c] as float32 for i < n; columns n.. zero. kt [d, KC]."""
     d = kt.shape[0]
+    x = np.empty(d, F32)
     for i in range(n):
-        r = _row(k_base, k_tail, nb_base, j, pos[i])
+        row_to_f32(_row(k_base, k_tail, nb_base, j, pos[i]), x)
         for c in range(d):
-            kt[c, i] = to_f32(r[c])
+            kt[c, i] = x[c]
     for i in range(n, KC):
         for c in range(d):
             kt[c, i] = F32(0.0)
@@ -268,11 +270,9 @@ def _load_kt(k_base, k_tail, nb_base, j, pos, n, kt):
 @njit(cache=True, fastmath=FASTMATH)
 def _load_v(v_base, v_tail, nb_base, j, pos, n, vv):
     """vv[i, :d] = V[j, pos[i]] as float32 for i < n (vv [KC, dp], dp >= d padded with 0)."""
-    d = v_tail.shape[3]
+    d = kv_dim(v_tail)
     for i in range(n):
-        r = _row(v_base, v_tail, nb_base, j, pos[i])
-        for c in range(d):
-            vv[i, c] = to_f32(r[c])
+        row_to_f32(_row(v_base, v_tail, nb_base, j, pos[i]), vv[i, :d])
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -433,6 +433,12 @@ def _task_kind(q, h, b, q_start, k_base, v_base, k_tail, v_tail, kind, nb_base, 
     elif kind == 2:
         _task(q, h, b, q_start, k_base.view(np.int16), v_base.view(np.int16),
               k_tail.view(np.int16), v_tail.view(np.int16), nb_base, g, ix, scale2, out)
+    elif kind == 3:
+        _task(q, h, b, q_start, k_base.view(np.int32), v_base.view(np.int32),
+              k_tail.view(np.int32), v_tail.view(np.int32), nb_base, g, ix, scale2, out)
+    elif kind == 4:
+        _task(q, h, b, q_start, k_base.view(np.uint32), v_base.view(np.uint32),
+              k_tail.view(np.uint32), v_tail.view(np.uint32), nb_base, g, ix, scale2, out)
     else:
         _task(q, h, b, q_start, k_base.view(F32), v_base.view(F32), k_tail.view(F32),
               v_tail.view(F32), nb_base, g, ix, scale2, out)
@@ -529,6 +535,12 @@ def _vs_head_kind(qw, hi, j, k_base, k_tail, kind, nb_base, n_tokens, scale2, ve
     elif kind == 2:
         _vs_head(qw, hi, j, k_base.view(np.int16), k_tail.view(np.int16), nb_base, n_tokens,
                  scale2, vert, slash)
+    elif kind == 3:
+        _vs_head(qw, hi, j, k_base.view(np.int32), k_tail.view(np.int32), nb_base, n_tokens,
+                 scale2, vert, slash)
+    elif kind == 4:
+        _vs_head(qw, hi, j, k_base.view(np.uint32), k_tail.view(np.uint32), nb_base, n_tokens,
+                 scale2, vert, slash)
     else:
         _vs_head(qw, hi, j, k_base.view(F32), k_tail.view(F32), nb_base, n_tokens, scale2, vert,
                  slash)
@@ -564,16 +576,17 @@ def vs_estimate(kv: LayerKV, qw: np.ndarray, kv_heads: np.ndarray, n_tokens: int
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
 def _pool_keys(k_base, k_tail, nb_base, b0, b1, n_tokens, out):
-    hkv, d = k_tail.shape[0], k_tail.shape[3]
+    hkv, d = k_tail.shape[0], kv_dim(k_tail)
     for t in prange(hkv * (b1 - b0)):
         j, kb = t // (b1 - b0), b0 + t % (b1 - b0)
         e = min(n_tokens, (kb + 1) * QB)
+        x = np.empty(d, F32)
         for c in range(d):
             out[j, kb - b0, c] = F32(0.0)
         for p in range(kb * QB, e):
-            r = _row(k_base, k_tail, nb_base, j, p)
+            row_to_f32(_row(k_base, k_tail, nb_base, j, p), x)
             for c in range(d):
-                out[j, kb - b0, c] += to_f32(r[c])
+                out[j, kb - b0, c] += x[c]
         inv = F32(1.0) / F32(e - kb * QB)
         for c in range(d):
             out[j, kb - b0, c] *= inv
@@ -584,16 +597,16 @@ def pool_keys(kv: LayerKV, b0: int, b1: int, n_tokens: int) -> np.ndarray:
     out = np.empty((kv.hkv, b1 - b0, kv.d), F32)
     if b1 > b0:
         use_threads()
-        dt = {0: F32, 1: np.uint16, 2: np.int16}[kv.kv_kind]
+        dt = {0: F32, 1: np.uint16, 2: np.int16, 3: np.int32, 4: np.uint32}[kv.kv_kind]
         _pool_keys(kv.k_base.view(dt), kv.k_tail.view(dt), kv.nb_base, b0, b1, n_tokens, out)
     return out
 
 
 # --- NumPy references ---------------------------------------------------------------------------
 def _layer_f64(k_base, k_tail, kv_kind):
-    hkv, _, bs, d = k_tail.shape
+    hkv = k_tail.shape[0]
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
-    return k.reshape(hkv, -1, d)  # [Hkv, T, d]
+    return k.reshape(hkv, -1, k.shape[-1])  # [Hkv, T, d]
 
 
 def sparse_attend_ref(q, k_base, v_base, k_tail, v_tail, nb_base, kv_kind, q_start, index,

@@ -67,7 +67,7 @@ def _choose(per_head, candidates, k, shared, chosen):
 def _step(q, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, k_base, v_base, k_tail,
           v_tail, kind, nb_base, n_blocks, n_tokens, scale, perm, lanes, per, sf, ss):
     # q [Hq, d]; anchors bytes [Hkv, nb_cap, A, row]; candidates [n], fixed [nf] int32;
-    # K/V bytes [Hkv, nb, bs, d*size]; per / sf / ss: parts per head of the scoring, the fixed
+    # K/V bytes [Hkv, nb, bs, row bytes]; per / sf / ss: parts per head of the scoring, the fixed
     # blocks and the chosen ones -> out [Hq, d], lse [Hq], chosen [S, k]
     if not (ids_in_range(candidates.reshape(1, -1), min(n_blocks, anchors.shape[1]))
             and ids_in_range(fixed.reshape(1, -1), n_blocks)):

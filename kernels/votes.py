@@ -25,6 +25,7 @@ from ._vec import (
     vzero,
 )
 from .attention import CH, channel_perm, pack_rows, qk_tiles
+from .kvquant import head_dim_of, kv_dim
 from .threads import use_threads
 
 
@@ -37,7 +38,7 @@ def _part(qp, k_base, k_tail, nb_base, n_tokens, nw, real, j, b0, b1, m, den, ls
     """
     bs = k_tail.shape[2]
     rows = qp.shape[0]
-    d = k_tail.shape[3]
+    d = kv_dim(k_tail)
     ra = np.empty(CH, np.intp)  # K row addresses of the chunk
     s = np.empty((rows, CH), F32)  # [R, CH]
     col = np.empty((1, CH), F32)  # pass 2: probabilities summed over rows
@@ -110,6 +111,10 @@ def _votes(qp, k_base, k_tail, kind, nb_base, n_tokens, nw, real, n_split):
                 _part(qp[j], k_base.view(np.uint16), k_tail.view(np.uint16), *args)
             elif kind == 2:
                 _part(qp[j], k_base.view(np.int16), k_tail.view(np.int16), *args)
+            elif kind == 3:
+                _part(qp[j], k_base.view(np.int32), k_tail.view(np.int32), *args)
+            elif kind == 4:
+                _part(qp[j], k_base.view(np.uint32), k_tail.view(np.uint32), *args)
             else:
                 _part(qp[j], k_base.view(F32), k_tail.view(F32), *args)
         if pas == 0:
@@ -132,7 +137,8 @@ def query_votes(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
     Entry [j, t] sums, over KV head j's query heads and the W queries, the softmax weight of key t.
     """
     kb, kt = kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind)
-    hkv, _, bs, d = k_tail.shape
+    hkv, _, bs, row = k_tail.shape
+    d = head_dim_of(kv_kind, row)
     hq, nw, _ = qw.shape
     if hq % hkv or qw.shape[2] != d or not 1 <= nw <= n_tokens:
         raise ValueError(f"qw must be [Hq, W <= n_tokens, {d}], got {qw.shape}")
@@ -146,8 +152,8 @@ def query_votes(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
 
 def query_votes_ref(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
     """float64 NumPy reference of `query_votes`."""
-    hkv, _, _, d = k_tail.shape
-    hq, nw, _ = qw.shape
+    hkv = k_tail.shape[0]
+    hq, nw, d = qw.shape
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
     k = k.reshape(hkv, -1, d)[:, :n_tokens]  # [Hkv, T, d]
     votes = np.zeros((hkv, n_tokens))

@@ -50,7 +50,7 @@ def _f(kind: str, default: Any, group: str, description: str, lo: float | None =
     return field(default=default, metadata={"spec": spec})
 
 
-_KV_TYPES = ("BF16", "FP16", "FP32")
+_KV_TYPES = ("BF16", "FP16", "FP32", "Q8_0", "Q4_0")
 MAX_SEQ_LEN = 1 << 24  # 16M tokens: beyond any model's context (a larger number is a typo)
 CHUNK_AUTO = {False: 1024, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
 _ANCHORS = ("DYNAMIC", "MAX", "MEAN", "QUEST", "FIX")
@@ -64,8 +64,13 @@ class Settings:
     # memory
     max_seq_len: int = _f("int", 131072, "memory", "Most tokens the KV cache holds (document + "
                           "chat)", 1, MAX_SEQ_LEN)
-    kv_type: str = _f("enum", "BF16", "memory", "Precision of the stored K and V",
-                      choices=_KV_TYPES)
+    kv_type: str = _f("enum", "BF16", "memory", "Format of the stored K and V: 16 or 32-bit "
+                      "floats, or llama.cpp-style blocks of 32 values with one scale (Q8_0: 8.5 "
+                      "bits a value, Q4_0: 4.5)", choices=_KV_TYPES)
+    kv_tier: str = _f("enum", "AUTO", "memory", "Where the KV cache lives: RAM, or DISK (a file "
+                      "under cache_dir, memory-mapped: the blocks decode reads stay in the page "
+                      "cache); AUTO = RAM when max_seq_len's KV fits in free memory, else DISK",
+                      choices=("AUTO", "RAM", "DISK"))
     chunk_size: int = _f("int", 0, "memory", "Prefill chunk in tokens; bigger needs more memory "
                          f"for activations; 0 = {CHUNK_AUTO[True]} on CUDA, {CHUNK_AUTO[False]} "
                          "on the CPU", 0)

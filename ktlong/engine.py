@@ -9,15 +9,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ktlong.attention import AttentionRouter
-from ktlong.config import CHUNK_AUTO, Settings
+from ktlong.config import CHUNK_AUTO, Settings, ktlong_home
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KVStore, StoreShape
-from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention
+from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
 from ktlong.warmup import compile_seconds, warm_up
@@ -90,6 +91,13 @@ def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> i
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
+def tier_dir(spec: Any, settings: Settings) -> Path | None:
+    """Folder of the KV disk tier's file when the tier resolves to DISK, else None."""
+    if resolve_tier(spec, settings) != "DISK":
+        return None
+    return Path(settings.cache_dir or ktlong_home() / "cache").expanduser() / "tier"
+
+
 class Session:
     """One conversation: the model, its KV store, the selection policy and the tokens so far."""
 
@@ -111,7 +119,8 @@ class Session:
             settings.kv_type,
             settings.anchor_num,
         )
-        self.store = store or KVStore(shape, settings.max_seq_len)
+        self.store = store or KVStore(shape, settings.max_seq_len,
+                                      tier_dir=tier_dir(spec, settings))
         self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
         self.policy = SelectionPolicy(settings, spec, self.store)
         if self.store.mapped:  # room for a few steps' blocks before mapped pages are released

@@ -1,33 +1,43 @@
 """The KV store: every layer's keys and values in DRAM (or memory-mapped), cut into blocks.
 
-Layout per layer, per segment: `[Hkv, blocks, block_size, head_dim]`, so each head-block is one
+Layout per layer, per segment: `[Hkv, blocks, block_size, row]`, so each head-block is one
 contiguous run the kernels read in one sweep. Two segments (docs/internals.md):
 - base: read-only full blocks, usually a memory-mapped prompt-cache entry (may be empty);
-- tail: RAM blocks that new tokens are written to.
-Half-precision KV is kept as uint16 bit patterns (Numba cannot read float16/bfloat16 arrays).
-No policy lives here: which blocks to read is `selection`'s business.
+- tail: the blocks new tokens are written to: RAM, or with the disk tier (`tier_dir`) a file
+  mapping: the page cache keeps what decode reads every step (init, local window) in RAM and
+  writes the rest back to the disk.
+A row is one token of one KV head: head_dim values as float32, as uint16 bit patterns (BF16,
+FP16: Numba cannot read float16/bfloat16 arrays), or as bytes of Q8_0 / Q4_0 blocks
+(kernels/kvquant.py). Anchors are always in RAM. No policy lives here: which blocks to read is
+`selection`'s business.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+import tempfile
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ktlong import kernels
 from ktlong.errors import KtlongError
-from ktlong.kernels import Q8_EXTRA
+from ktlong.kernels import Q8_EXTRA, kvquant
 
-# kv_type -> (numpy storage dtype, torch dtype of the values, kernel kind)
+# kv_type -> (numpy storage dtype, torch dtype of a device copy (GPU local window, prefill
+# mirror), kernel kind)
 KV_TYPES = {
     "FP32": (np.float32, torch.float32, 0),
     "BF16": (np.uint16, torch.bfloat16, 1),
     "FP16": (np.uint16, torch.float16, 2),
+    "Q8_0": (np.uint8, torch.bfloat16, kvquant.Q8_0),
+    "Q4_0": (np.uint8, torch.bfloat16, kvquant.Q4_0),
 }
-KV_BYTES = {"FP32": 4, "BF16": 2, "FP16": 2}
+QUANT_KV = ("Q8_0", "Q4_0")
 # resident bytes of a memory-mapped base before its pages are unmapped (at least this; the
 # engine raises it to two decode steps' reads so a step rarely re-faults its own blocks)
 MAP_CAP_MIN = 128 << 20
@@ -43,9 +53,73 @@ class StoreShape:
     anchor_num: int
 
 
+def row_elems(kv_type: str, head_dim: int) -> int:
+    """Elements of the storage dtype in one row (bytes, for the quantised types)."""
+    kind = KV_TYPES[kv_type][2]
+    return kvquant.row_bytes(kind, head_dim) // np.dtype(KV_TYPES[kv_type][0]).itemsize
+
+
+def check_kv_type(kv_type: str, head_dim: int) -> None:
+    if kv_type not in KV_TYPES:
+        raise KtlongError(f"kv_type {kv_type} is not one of {', '.join(KV_TYPES)}")
+    if kv_type in QUANT_KV and head_dim % kvquant.QBLOCK:
+        raise KtlongError(f"kv_type {kv_type} needs a head_dim that is a multiple of "
+                          f"{kvquant.QBLOCK}; this model's is {head_dim}",
+                          hint="use kv_type BF16 (--kv-type BF16)")
+
+
+def _torch_view(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A numpy array as a torch tensor without a copy (read-only arrays too: only read)."""
+    a = np.ascontiguousarray(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    return t if dtype is None else t.view(dtype)
+
+
+def _quantise(x: torch.Tensor, kind: int) -> np.ndarray:
+    """float32 [..., d] -> uint8 rows [..., row_bytes]; bit-equal to kvquant.encode_ref."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    blocks = x.reshape(*lead, d // kvquant.QBLOCK, kvquant.QBLOCK)  # [..., nb, 32]
+    if kind == kvquant.Q8_0:
+        scale = (blocks.abs().amax(-1) / 127.0).half()
+        lo, hi = -127, 127
+    else:
+        big = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))[..., 0]
+        scale = (big / -8.0).half()
+        lo, hi = -8, 7
+    s = scale.float().unsqueeze(-1)
+    q = torch.where(s != 0, torch.round(blocks / s), 0.0).clamp_(lo, hi).to(torch.int16)
+    out = torch.zeros((*lead, kvquant.row_bytes(kind, d)), dtype=torch.uint8)
+    nc = kvquant.code_bytes(kind, d)
+    if kind == kvquant.Q8_0:
+        out[..., :nc] = q.to(torch.int8).view(torch.uint8).reshape(*lead, d)
+    else:
+        c = (q + 8).to(torch.uint8)
+        out[..., :nc] = (c[..., :16] | (c[..., 16:] << 4)).reshape(*lead, nc)
+    out[..., nc : nc + 2 * (d // kvquant.QBLOCK)] = scale.view(torch.uint8).reshape(*lead, -1)
+    return out.numpy()
+
+
+def _dequantise(a: np.ndarray, kind: int) -> torch.Tensor:
+    """uint8 rows [..., row_bytes] -> float32 [..., d] (a new tensor)."""
+    d = kvquant.head_dim_of(kind, a.shape[-1])
+    t = _torch_view(a)
+    lead, nc, nb = t.shape[:-1], kvquant.code_bytes(kind, d), d // kvquant.QBLOCK
+    scale = t[..., nc : nc + 2 * nb].contiguous().view(torch.float16).float()  # [..., nb]
+    if kind == kvquant.Q8_0:
+        q = t[..., :d].contiguous().view(torch.int8).float()
+    else:
+        c = t[..., :nc].reshape(*lead, nb, 16).to(torch.int16)
+        q = (torch.cat([c & 15, c >> 4], -1) - 8).float()
+    return (q.reshape(*lead, nb, kvquant.QBLOCK) * scale.unsqueeze(-1)).reshape(*lead, d)
+
+
 def to_storage(x: torch.Tensor, kv_type: str) -> np.ndarray:
     """[..., d] float tensor (any device) -> numpy array in the store's storage dtype."""
-    _, tdtype, _ = KV_TYPES[kv_type]
+    _, tdtype, kind = KV_TYPES[kv_type]
+    if kv_type in QUANT_KV:
+        return _quantise(x.detach().to(device="cpu", dtype=torch.float32), kind)
     x = x.detach().to(device="cpu", dtype=tdtype).contiguous()
     if kv_type == "FP32":
         return x.numpy()
@@ -53,16 +127,14 @@ def to_storage(x: torch.Tensor, kv_type: str) -> np.ndarray:
 
 
 def from_storage(a: np.ndarray, kv_type: str) -> torch.Tensor:
-    """Numpy storage array -> float32 torch tensor of the same shape (a copy)."""
+    """Numpy storage array -> float32 torch tensor (a copy); quantised rows [..., row_bytes] give
+    [..., head_dim]."""
+    _, tdtype, kind = KV_TYPES[kv_type]
+    if kv_type in QUANT_KV:
+        return _dequantise(a, kind)
     if kv_type == "FP32":
         return torch.from_numpy(np.array(a, dtype=np.float32))  # always a copy (a may be read-only)
-    _, tdtype, _ = KV_TYPES[kv_type]
-    bits = np.ascontiguousarray(a).view(np.int16)
-    if bits.flags.writeable:
-        return torch.from_numpy(bits).view(tdtype).float()
-    with warnings.catch_warnings():  # a read-only (cache-mapped) array: only read, .float() copies
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(bits).view(tdtype).float()
+    return _torch_view(a.view(np.int16), tdtype).float()
 
 
 def _file_rss() -> int:
@@ -74,11 +146,45 @@ def _file_rss() -> int:
         return 0
 
 
+class TierFile:
+    """The disk tier's file: an anonymous-after-creation file under `folder`, mapped shared.
+
+    The file is unlinked as soon as it is mapped, so a killed process leaves nothing behind and
+    no later run can mistake a half-written tier for a valid one; the space is freed when the
+    mapping closes. Pages the process touches stay in the page cache while memory allows."""
+
+    def __init__(self, folder: Path, nbytes: int) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="kv-tier-", suffix=".tmp", dir=folder)
+        try:
+            os.unlink(name)
+            try:
+                os.posix_fallocate(fd, 0, max(nbytes, 1))  # reserve now: no SIGBUS when full
+            except OSError as e:
+                raise KtlongError(
+                    f"the KV disk tier needs {nbytes / 1e9:.1f} GB in {folder}: {e.strerror}",
+                    hint="free disk space, move it with --cache-dir, or lower max_seq_len",
+                ) from None
+            self.mmap = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.mmap.madvise(mmap.MADV_RANDOM)  # decode reads scattered blocks
+        self.offset = 0
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """The next `shape` array of the file (page-aligned)."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        a = np.frombuffer(self.mmap, dtype, int(np.prod(shape)), self.offset).reshape(shape)
+        self.offset += -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+        return a
+
+
 class KVStore:
     """K, V and block anchors for every layer of one conversation.
 
     `capacity` is the most tokens the store can hold (max_seq_len). Tail arrays come from
-    np.zeros, so pages are only touched as tokens are written.
+    np.zeros (or a fresh sparse file with the disk tier), so pages are only touched as tokens
+    are written.
     """
 
     def __init__(
@@ -88,16 +194,17 @@ class KVStore:
         base: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
         base_anchors: list[np.ndarray] | None = None,
         nb_base: int | None = None,
+        tier_dir: Path | None = None,
     ) -> None:
-        if shape.kv_type not in KV_TYPES:
-            raise KtlongError(f"kv_type {shape.kv_type} is not one of {', '.join(KV_TYPES)}")
+        check_kv_type(shape.kv_type, shape.head_dim)
         self.shape = shape
         self.capacity = capacity
         dtype, _, self.kv_kind = KV_TYPES[shape.kv_type]
         L, H, bs, d = shape.n_layers, shape.n_kv_heads, shape.block_size, shape.head_dim
+        row = self.row = row_elems(shape.kv_type, d)
         self.nb_cap = -(-capacity // bs)
         if base is None:
-            empty = np.zeros((H, 0, bs, d), dtype)
+            empty = np.zeros((H, 0, bs, row), dtype)
             base = ([empty] * L, [empty] * L)
         self.k_base, self.v_base = list(base[0]), list(base[1])
         # blocks of the base in use: the arrays may hold more (a mapped file's last block is
@@ -110,8 +217,17 @@ class KVStore:
                 hint="raise max_seq_len (ktlong memcheck)",
             )
         nb_tail = self.nb_cap - self.nb_base
-        self.k_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
-        self.v_tail = [np.zeros((H, nb_tail, bs, d), dtype) for _ in range(L)]
+        tail_shape = (H, nb_tail, bs, row)
+        self.tier: TierFile | None = None
+        if tier_dir is not None:
+            self.tier = TierFile(tier_dir, 2 * L * self.tail_bytes(tail_shape, dtype))
+            self.k_tail, self.v_tail = [], []
+            for _ in range(L):
+                self.k_tail.append(self.tier.array(tail_shape, dtype))
+                self.v_tail.append(self.tier.array(tail_shape, dtype))
+        else:
+            self.k_tail = [np.zeros(tail_shape, dtype) for _ in range(L)]
+            self.v_tail = [np.zeros(tail_shape, dtype) for _ in range(L)]
         # Q8 rows [H, nb_cap, A, d + 4] (8-bit codes, float32 scale; kernels/anchors.py):
         # scoring reads every candidate's anchors each step, so their bytes are what a 1M-token
         # step pays beyond a 16K one
@@ -125,14 +241,21 @@ class KVStore:
                 self.anchors[layer][:, : a.shape[1]] = a
                 self.n_anchored[layer] = a.shape[1]
         self.lengths = [self.nb_base * bs] * L  # tokens written, per layer
-        # a mapped base: pages a step reads (and their neighbours: the page cache works in
-        # large folios) stay mapped, and in RSS, until released; `check_resident` bounds them
+        # mapped KV (a cache entry's base, the disk tier): pages a step reads (and their
+        # neighbours: the page cache works in large folios) stay mapped, and in RSS, until
+        # released; `check_resident` bounds them
         maps = {id(a._mmap): a._mmap for a in self.k_base + self.v_base
                 if isinstance(a, np.memmap) and a._mmap is not None}
-        self._maps = list(maps.values())
-        self.block_bytes = 2 * H * bs * d * KV_BYTES[shape.kv_type]  # K + V, all heads
+        self._maps = list(maps.values()) + ([self.tier.mmap] if self.tier else [])
+        self.block_bytes = 2 * H * bs * row * np.dtype(dtype).itemsize  # K + V, all heads
         self.map_cap = MAP_CAP_MIN
         self._file_rss0 = _file_rss() if self._maps else 0
+
+    @staticmethod
+    def tail_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+        """Bytes of one tail array in the tier file (page-aligned)."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
 
     # --- sizes -------------------------------------------------------------------------------
     @property
@@ -142,12 +265,16 @@ class KVStore:
 
     def nbytes_used(self) -> int:
         s = self.shape
-        per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * KV_BYTES[s.kv_type]
-        return self.length * per_token
+        return self.length * s.n_layers * self.block_bytes // s.block_size
 
     # --- writing -----------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Append k, v `[Hkv, n, d]` to `layer`; returns the position of the first new token."""
+        return self.write_rows(layer, to_storage(k, self.shape.kv_type),
+                               to_storage(v, self.shape.kv_type))
+
+    def write_rows(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
+        """Append rows already in the storage format, `[Hkv, n, row]`."""
         start, n = self.lengths[layer], k.shape[1]
         if start + n > self.capacity:
             raise KtlongError(
@@ -155,9 +282,9 @@ class KVStore:
                 hint="raise max_seq_len (ktlong memcheck) or /reset",
             )
         off = start - self.nb_base * self.shape.block_size
-        H, d = self.shape.n_kv_heads, self.shape.head_dim
-        self.k_tail[layer].reshape(H, -1, d)[:, off : off + n] = to_storage(k, self.shape.kv_type)
-        self.v_tail[layer].reshape(H, -1, d)[:, off : off + n] = to_storage(v, self.shape.kv_type)
+        H = self.shape.n_kv_heads
+        self.k_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = k
+        self.v_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = v
         self.lengths[layer] = start + n
         return start
 
@@ -190,29 +317,35 @@ class KVStore:
         self._file_rss0 = _file_rss()
 
     # --- reading -----------------------------------------------------------------------------
+    def row_range(
+        self, layer: int, start: int, end: int, heads: slice = slice(None)
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """K, V rows of tokens [start, end) of KV heads `heads` in the storage format,
+        `[heads, end - start, row]` (views where one segment holds them all, else copies)."""
+        H, row = self.shape.n_kv_heads, self.row
+        split = self.nb_base * self.shape.block_size
+        parts_k, parts_v = [], []
+        if start < split:
+            e = min(end, split)
+            parts_k.append(self.k_base[layer].reshape(H, -1, row)[heads, start:e])
+            parts_v.append(self.v_base[layer].reshape(H, -1, row)[heads, start:e])
+        if end > split:
+            s = max(start, split) - split
+            parts_k.append(self.k_tail[layer].reshape(H, -1, row)[heads, s : end - split])
+            parts_v.append(self.v_tail[layer].reshape(H, -1, row)[heads, s : end - split])
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return np.concatenate(parts_k, axis=1), np.concatenate(parts_v, axis=1)
+
     def token_range(
         self, layer: int, start: int, end: int, heads: slice = slice(None)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens [start, end) of KV heads `heads` as float32 tensors
         `[heads, end - start, d]` (copies)."""
-        H, d = self.shape.n_kv_heads, self.shape.head_dim
-        split = self.nb_base * self.shape.block_size
-        parts_k, parts_v = [], []
-        if start < split:
-            e = min(end, split)
-            parts_k.append(self.k_base[layer].reshape(H, -1, d)[heads, start:e])
-            parts_v.append(self.v_base[layer].reshape(H, -1, d)[heads, start:e])
-        if end > split:
-            s = max(start, split) - split
-            parts_k.append(self.k_tail[layer].reshape(H, -1, d)[heads, s : end - split])
-            parts_v.append(self.v_tail[layer].reshape(H, -1, d)[heads, s : end - split])
-        kt = [from_storage(p, self.shape.kv_type) for p in parts_k]
-        vt = [from_storage(p, self.shape.kv_type) for p in parts_v]
-        if start < split:
-            self.check_resident()  # a dense sweep over the base reads it segment by segment
-        if len(kt) == 1:
-            return kt[0], vt[0]
-        return torch.cat(kt, dim=1), torch.cat(vt, dim=1)
+        k, v = self.row_range(layer, start, end, heads)
+        kt, vt = from_storage(k, self.shape.kv_type), from_storage(v, self.shape.kv_type)
+        self.check_resident()  # a dense sweep over mapped KV reads it segment by segment
+        return kt, vt
 
     def kernel_views(self, layer: int) -> tuple[kernels.LayerKV, kernels.AnchorView]:
         """The layer's K/V and anchors as the kernels read them, made on first use (the arrays

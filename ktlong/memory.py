@@ -22,7 +22,6 @@ GIB = 1024**3
 OS_RESERVE = 2 * GIB  # OS + Python + torch
 KV_MARGIN = 0.10  # anchors, partial blocks, the chat's own turns
 GPU_ACTIVATIONS = 1 * GIB  # one prefill chunk's activations
-KV_TYPE_BYTES = {"BF16": 2, "FP16": 2, "FP32": 4}
 LENGTHS = (("4K", 4096), ("32K", 32768), ("64K", 65536), ("128K", 131072), ("256K", 262144),
            ("512K", 524288), ("1M", 1048576))
 _UNLIMITED = 1 << 60  # cgroup v1 writes ~2**63 for "no limit"
@@ -45,9 +44,28 @@ class ReferenceShape:
 REFERENCE = ReferenceShape()
 
 
+def kv_row_bytes(kv_type: str, head_dim: int) -> int:
+    """Bytes of one token's K (or V) for one KV head: head_dim values, or Q8_0 / Q4_0 blocks of
+    32 values with a float16 scale each (kernels/kvquant.py, rounded up to 4 bytes)."""
+    kv_type = kv_type.upper()
+    if kv_type in ("Q8_0", "Q4_0"):
+        per32 = 34 if kv_type == "Q8_0" else 18
+        return -(-per32 * head_dim // 32 // 4) * 4
+    return head_dim * (4 if kv_type == "FP32" else 2)
+
+
 def kv_bytes_per_token(spec: Any, kv_type: str) -> int:
-    """K and V of every layer: 2 * layers * kv_heads * head_dim * bytes per value."""
-    return 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * KV_TYPE_BYTES[kv_type.upper()]
+    """K and V of every layer: 2 * layers * kv_heads * bytes per head row."""
+    return 2 * spec.n_layers * spec.n_kv_heads * kv_row_bytes(kv_type, spec.head_dim)
+
+
+def resolve_tier(spec: Any, settings: Any, free_bytes: int | None = None) -> str:
+    """RAM or DISK for `settings.kv_tier` (AUTO: RAM when max_seq_len's KV, with the weights,
+    fits in free DRAM)."""
+    if settings.kv_tier != "AUTO":
+        return settings.kv_tier
+    free = free_dram_bytes() if free_bytes is None else free_bytes
+    return "RAM" if dram_need(spec, settings.kv_type, settings.max_seq_len) <= free else "DISK"
 
 
 def dram_need(spec: Any, kv_type: str, tokens: int, weights_in_dram: bool = True) -> int:

@@ -2,9 +2,10 @@
 
 One entry is one file, `<key>.ktkv`, in the KV store's own layout so it maps straight back in:
   magic "KTLONGKV" | u32 version | u64 header length | JSON header | pad to 16 KiB |
-  token ids int32 [n] | per layer: K, V [Hkv, nb, bs, d] of the full blocks (storage dtype),
-  anchors Q8 [Hkv, nb, A, d + 4] (kernels/anchors.py; version 1: BF16 bits [Hkv, nb, A, d],
-  still read), K, V [Hkv, rem, d] of the partial last block;
+  token ids int32 [n] | per layer: K, V [Hkv, nb, bs, row] of the full blocks (storage format:
+  row = d values, or a quantised row's bytes), anchors Q8 [Hkv, nb, A, d + 4]
+  (kernels/anchors.py; version 1: BF16 bits [Hkv, nb, A, d], still read), K, V [Hkv, rem, row]
+  of the partial last block;
 each section aligned to 4 KiB. The header names the model, tokenizer, kv_type, block_size and RoPE
 (the key: everything that changes KV contents, nothing else) and a CRC-32 per layer, checked on
 load. Entries are written to a temporary name, fsynced and renamed, under a per-key lock; only
@@ -33,7 +34,7 @@ from ktlong.config import Settings, ktlong_home
 from ktlong.engine import Progress, Session, check_fits
 from ktlong.errors import KtlongError
 from ktlong.kernels import Q8_EXTRA, kv_to_f64, q8_encode
-from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, from_storage, to_storage
+from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, row_elems
 from ktlong.minference import prefill_key
 from ktlong.model import LoadedModel, ModelSpec
 from ktlong.weights import bf16_prefill
@@ -130,10 +131,11 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
 def _layout(h: dict[str, Any]) -> dict[str, int]:
     """Byte sizes of one layer's sections: full-block K (= V), anchors, remainder K (= V)."""
     L, H, d = h["content"]["shape"]
-    item = np.dtype(KV_TYPES[h["content"]["kv_type"]][0]).itemsize
+    kv_type = h["content"]["kv_type"]
+    row = row_elems(kv_type, d) * np.dtype(KV_TYPES[kv_type][0]).itemsize  # one KV row's bytes
     nb, bs, A, rem = h["n_blocks"], h["content"]["block_size"], h["anchor_num"], h["remainder"]
-    row = 2 * d if h.get("version", VERSION) == 1 else d + Q8_EXTRA  # one anchor's bytes
-    kv, an, rm = H * nb * bs * d * item, H * nb * A * row, H * rem * d * item
+    arow = 2 * d if h.get("version", VERSION) == 1 else d + Q8_EXTRA  # one anchor's bytes
+    kv, an, rm = H * nb * bs * row, H * nb * A * arow, H * rem * row
     return {
         "kv": kv,
         "anchors": an,
@@ -182,6 +184,7 @@ def map_entry(
     c = header["content"]
     L, H, d = c["shape"]
     dtype = np.dtype(KV_TYPES[c["kv_type"]][0])
+    row = row_elems(c["kv_type"], d)
     nb, bs, n, rem = header["n_blocks"], c["block_size"], header["n_tokens"], header["remainder"]
     sz = _layout(header)
     ids = np.memmap(path, np.int32, "r", offset, (n,)).tolist() if n else []
@@ -189,8 +192,9 @@ def map_entry(
     n_base = (n - 1) // bs if n else 0  # mapped blocks; >= 1 token stays writable for re-feeding
     ks, vs, anchors, tails = [], [], [], []
     for _ in range(L):
-        k = np.memmap(path, dtype, "r", o, (H, nb, bs, d)) if nb else np.zeros((H, 0, bs, d), dtype)
-        v = np.memmap(path, dtype, "r", o + _align(sz["kv"]), (H, nb, bs, d)) if nb else k
+        k = (np.memmap(path, dtype, "r", o, (H, nb, bs, row)) if nb
+             else np.zeros((H, 0, bs, row), dtype))
+        v = np.memmap(path, dtype, "r", o + _align(sz["kv"]), (H, nb, bs, row)) if nb else k
         ks.append(k)  # whole arrays (C-contiguous); the store uses blocks [0, n_base)
         vs.append(v)
         o += 2 * _align(sz["kv"])
@@ -203,20 +207,20 @@ def map_entry(
                     np.array(np.memmap(path, np.uint8, "r", o, (H, nb, anchor_num, d + Q8_EXTRA)))
                 )
         o += _align(sz["anchors"])
-        tk = [k[:, b].reshape(H, bs, d) for b in range(n_base, nb)]  # [H, bs, d] each
-        tv = [v[:, b].reshape(H, bs, d) for b in range(n_base, nb)]
+        tk = [k[:, b].reshape(H, bs, row) for b in range(n_base, nb)]  # [H, bs, row] each
+        tv = [v[:, b].reshape(H, bs, row) for b in range(n_base, nb)]
         if rem:
-            tk.append(np.memmap(path, dtype, "r", o, (H, rem, d)))
-            tv.append(np.memmap(path, dtype, "r", o + _align(sz["rem"]), (H, rem, d)))
+            tk.append(np.memmap(path, dtype, "r", o, (H, rem, row)))
+            tv.append(np.memmap(path, dtype, "r", o + _align(sz["rem"]), (H, rem, row)))
         o += 2 * _align(sz["rem"])
-        tails.append((np.concatenate(tk, 1), np.concatenate(tv, 1)))  # [H, n - n_base*bs, d]
+        tails.append((np.concatenate(tk, 1), np.concatenate(tv, 1)))  # [H, n - n_base*bs, row]
     for arr in ks + vs:  # decode reads scattered blocks: no readahead around them
         if isinstance(arr, np.memmap) and hasattr(arr._mmap, "madvise"):
             arr._mmap.madvise(mmap.MADV_RANDOM)
     shape = StoreShape(L, H, d, bs, c["kv_type"], anchor_num)
     store = KVStore(shape, capacity, base=(ks, vs), base_anchors=anchors or None, nb_base=n_base)
     for layer, (tk_, tv_) in enumerate(tails):  # the last block(s) go to the writable tail
-        store.write(layer, from_storage(tk_, c["kv_type"]), from_storage(tv_, c["kv_type"]))
+        store.write_rows(layer, tk_, tv_)
     return store, ids
 
 
@@ -279,11 +283,8 @@ def write_entry(
                 a = np.ascontiguousarray(store.anchors[layer][:, :n_full])
                 crc = section(f, [_raw(a)], sz["anchors"], crc)
                 rems = [np.zeros(0, np.uint8)] * 2
-                if rem:  # the partial last block: [H, rem, d] each
-                    rems = [
-                        to_storage(t, store.shape.kv_type)
-                        for t in store.token_range(layer, n_full * bs, n)
-                    ]
+                if rem:  # the partial last block: [H, rem, row] each
+                    rems = list(store.row_range(layer, n_full * bs, n))
                 for r in rems:
                     crc = section(f, [_raw(np.ascontiguousarray(r))], sz["rem"], crc)
                 crcs.append(crc)

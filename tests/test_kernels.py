@@ -1,6 +1,6 @@
 """Attention kernels against their float64 NumPy references: attend_blocks, merge_partials,
 query_votes. Shapes, GQA ratios, block sizes, partial last blocks, SHARED / SEPARATE, base / tail
-splits (nb_base 0 included) and all three KV dtypes are drawn from seeded generators."""
+splits (nb_base 0 included) and every KV format are drawn from seeded generators."""
 from __future__ import annotations
 
 import threading
@@ -10,8 +10,14 @@ import pytest
 
 from ktlong import kernels as K
 
-KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
+KINDS = {"FP32": 0, "BF16": 1, "FP16": 2, "Q8_0": 3, "Q4_0": 4}
 HEAD_DIMS = (16, 48, 64, 128)  # 48: a partial last channel group
+QUANT_HEAD_DIMS = (32, 64, 96, 128)  # Q8_0 / Q4_0: whole blocks of 32
+
+
+def head_dims(kind: int) -> tuple[int, ...]:
+    """head_dims a KV format takes."""
+    return QUANT_HEAD_DIMS if kind >= 3 else HEAD_DIMS
 
 
 def store(rng, hkv, nb_base, nb_tail, bs, d, kind, scale=1.0):
@@ -24,7 +30,7 @@ def store(rng, hkv, nb_base, nb_tail, bs, d, kind, scale=1.0):
 def draw(rng, g, bs, kind, shared):
     """One random attention problem: (args for attend_blocks, n_blocks)."""
     hkv = int(rng.integers(1, 4))
-    d = int(rng.choice(HEAD_DIMS))
+    d = int(rng.choice(head_dims(kind)))
     nb = int(rng.integers(1, max(2, 400 // bs) + 1))
     n_tokens = int(rng.integers((nb - 1) * bs + 1, nb * bs + 1))  # last block often partial
     nb_base = int(rng.integers(0, nb))  # 0: everything in the tail
@@ -174,7 +180,7 @@ def test_attend_rejects_bad_input():
 def test_query_votes_match_reference(kind, bs):
     rng = np.random.default_rng(10 * kind + bs)
     for g, w in ((1, 1), (4, 5), (8, 3)):
-        hkv, d = int(rng.integers(1, 3)), int(rng.choice(HEAD_DIMS))
+        hkv, d = int(rng.integers(1, 3)), int(rng.choice(head_dims(kind)))
         nb = int(rng.integers(1, max(2, 300 // bs) + 1))
         n_tokens = int(rng.integers(max(w, (nb - 1) * bs + 1), nb * bs + 1))
         nb_base = int(rng.integers(0, nb))

@@ -11,8 +11,8 @@ import pytest
 from ktlong.kernels import anchors as anchors_mod
 
 from ktlong import kernels as K
+from tests.test_kernels import KINDS
 
-KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 TYPES = ("MAX", "MEAN", "QUEST", "FIX", "DYNAMIC")
 
 
@@ -25,7 +25,8 @@ def test_anchors_match_reference(kind, anchor_type, bs):
     rng = np.random.default_rng(100 * TYPES.index(anchor_type) + 10 * kind + bs)
     nums = [2] if anchor_type == "QUEST" else [n for n in (1, 3, 4) if n <= bs]
     for num in nums:
-        hkv, d = int(rng.integers(1, 4)), int(rng.choice([16, 48, 128]))
+        dims = [32, 96, 128] if kind >= 3 else [16, 48, 128]
+        hkv, d = int(rng.integers(1, 4)), int(rng.choice(dims))
         nb = int(rng.integers(2, max(3, 300 // bs) + 1))
         nb_base = int(rng.integers(0, nb))
         k = K.f32_to_kv(rng.standard_normal((hkv, nb, bs, d)).astype(np.float32), kind)

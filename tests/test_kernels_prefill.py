@@ -9,8 +9,7 @@ import pytest
 from ktlong.kernels import prefill_sparse as ps
 
 from ktlong import kernels as K
-
-KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
+from tests.test_kernels import KINDS
 
 
 def layer(rng, hkv, n_tokens, bs, d, kind, nb_base):
@@ -106,7 +105,8 @@ def test_pattern_equals_dense_restricted_to_its_index(kind, pattern):
 
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
 def test_budgets_covering_everything_equal_dense(kind):
-    rng, arrays, kv, q = problem(7 + kind, kind, g=3, d=48, q_start=130, length=100)
+    rng, arrays, kv, q = problem(7 + kind, kind, g=3, d=64 if kind >= 3 else 48, q_start=130,
+                                 length=100)
     hq, length = q.shape[0], q.shape[1]
     q_start, n = 130, 230
     nqb = ps.n_qblocks(length)

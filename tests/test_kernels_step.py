@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ktlong import kernels as K
-from tests.test_kernels import HEAD_DIMS, KINDS, check_concurrent, store
+from tests.test_kernels import KINDS, check_concurrent, head_dims, store
 
 FORMATS = ("F32", "BF16", "Q8")
 
@@ -23,7 +23,7 @@ def anchors_of(f, fmt, quest):
 def draw(rng, g, bs, kind, fmt, quest, shared, k=None):
     """One random step: (args for select_attend)."""
     hkv = int(rng.integers(1, 4))
-    d = int(rng.choice(HEAD_DIMS))
+    d = int(rng.choice(head_dims(kind)))
     nb = int(rng.integers(3, max(4, 600 // bs) + 1))
     n_tokens = int(rng.integers((nb - 1) * bs + 1, nb * bs + 1))  # last block often partial
     nb_base = int(rng.integers(0, nb))
