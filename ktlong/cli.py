@@ -48,7 +48,8 @@ MaxSeqLenOpt = Annotated[str | None, typer.Option(
     "--max-seq-len", metavar="TOKENS", show_default=False,
     help="KV cache capacity in tokens, e.g. 131072 or 128K.")]
 KvTypeOpt = Annotated[str | None, typer.Option(
-    "--kv-type", metavar="BF16|FP16|FP32", show_default=False, help="KV cache precision.")]
+    "--kv-type", metavar="BF16|FP16|FP32|Q8_0|Q4_0", show_default=False,
+    help="KV cache precision.")]
 DeviceOpt = Annotated[str | None, typer.Option(
     "--device", metavar="AUTO|CPU|CUDA", show_default=False, help="Where the model runs.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
@@ -134,11 +135,13 @@ def _root(version: Annotated[bool, typer.Option(
 @app.command()
 def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: ProfileOpt = None,
              write: Annotated[bool, typer.Option(
-                 "--write", help="Write the recommended max_seq_len to config.yaml.")] = False,
+                 "--write", help="Write the recommended max_seq_len, kv_type and kv_tier to "
+                                 "config.yaml.")] = False,
              as_json: JsonOpt = False) -> None:
-    """How long a context fits: KV cache per length against free DRAM and GPU memory.
+    """How long a context fits: KV cache per length and kv_type, in RAM or on disk.
 
-    Reads only the model's metadata (config.json or GGUF header), never its weights.
+    Reads only the model's metadata (config.json or GGUF header), never its weights. Compares
+    BF16, Q8_0 and Q4_0 unless --kv-type names one.
     """
     from ktlong import configfile, memory, render
 
@@ -150,20 +153,28 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
     else:
         spec = memory.REFERENCE
     free_gpu = None if res.settings.device == "CPU" else memory.free_gpu_bytes()
-    report = memory.report(spec, res.settings.kv_type, memory.free_dram_bytes(), free_gpu)
+    folder = memory.tier_folder(res.settings)
+    report = memory.report(spec, res.settings.kv_type if kv_type else None,
+                           memory.free_dram_bytes(), free_gpu, memory.free_disk_bytes(folder),
+                           res.settings, folder)
     written = None
     if write:
-        rec = report["recommended_max_seq_len"]
-        if rec <= 0:
-            raise KtlongError("no context length fits in free memory; config.yaml left as it is",
-                              hint="free memory, or try --kv-type or a smaller model")
-        configfile.set_value(res.config_file, "max_seq_len", str(rec))
+        rec = report["recommended"]
+        if rec["max_seq_len"] <= 0:
+            raise KtlongError("no context length fits in free RAM or on free disk; config.yaml "
+                              "left as it is",
+                              hint="free memory or disk space, or try --kv-type Q4_0 or a "
+                                   "smaller model")
+        configfile.set_values(res.config_file, {"max_seq_len": str(rec["max_seq_len"]),
+                                                "kv_type": rec["kv_type"],
+                                                "kv_tier": rec["kv_tier"]})
         written = str(res.config_file)
+    configured = {k: getattr(res.settings, k) for k in ("max_seq_len", "kv_type", "kv_tier")}
     if as_json:
         render.print_json(report | {"configured_max_seq_len": res.settings.max_seq_len,
-                                    "written": written})
+                                    "configured": configured, "written": written})
     else:
-        render.memcheck(report, res.settings.max_seq_len, written)
+        render.memcheck(report, configured, written)
 
 
 # --- chat ---------------------------------------------------------------------------------------
@@ -243,7 +254,8 @@ def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str,
         raise KtlongError(f"--demo-tokens {tokens!r}: expected a number like 16384 or 16K") \
             from None
     exact = st.prefill == "DENSE" or (st.prefill == "WINDOW" and st.prefill_window == 0)
-    cost = demo.cost(n, st.kv_type, model, st.threads_num, not exact, st.max_seq_len)
+    cost = demo.cost(n, st.kv_type, model, st.threads_num, not exact, st.max_seq_len,
+                     settings=st)
     typer.echo(f"demo: {n:,} tokens cost {cost}", err=True)
     d = demo.prepare(n)
     typer.echo(f"demo: a {n:,}-token document ({d.document}) with facts hidden in filler prose; "

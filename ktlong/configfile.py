@@ -110,7 +110,28 @@ def set_value(path: Path, key: str, value_text: str, comment: str = "") -> None:
 
     The file must parse before and must read back `key` afterwards; otherwise nothing is written.
     """
+    set_values(path, {key: value_text}, {key: comment} if comment else None)
+
+
+def set_values(path: Path, values: dict[str, str], comments: dict[str, str] | None = None) -> None:
+    """`set_value` for several keys in one atomic write: all of them change, or none."""
     text = read_text(path)
+    before = parse_mapping(text, str(path))
+    new_text = text
+    for key, value_text in values.items():
+        new_text = _edit(new_text, path, key, value_text, (comments or {}).get(key, ""))
+    after = parse_mapping(new_text, str(path))
+    keys = set(values)
+    if not keys <= set(after) or set(after) - keys != set(before) - keys:
+        raise KtlongError(f"{path}: editing {', '.join(map(repr, values))} would change other "
+                          "settings; left untouched",
+                          hint="write " + ", ".join(f"`{k}: {v}`" for k, v in values.items())
+                          + " there yourself")
+    atomic_write(path, new_text)
+
+
+def _edit(text: str, path: Path, key: str, value_text: str, comment: str) -> str:
+    """`text` with `key`'s value line changed, or `key: value` appended."""
     before = parse_mapping(text, str(path))
     lines = text.splitlines(keepends=True)
     # groups: `key: ` | value | `  # comment` | line end
@@ -123,13 +144,7 @@ def set_value(path: Path, key: str, value_text: str, comment: str = "") -> None:
             raise KtlongError(f"{path}:{i + 1}: cannot edit the value of '{key}' on this line",
                               hint=f"write `{key}: {value_text}` there yourself")
         lines[i] = m.group(1) + value_text + (m.group(3) or "") + (m.group(4) or "")
-        new_text = "".join(lines)
-    else:
-        if text and not text.endswith("\n"):
-            text += "\n"
-        new_text = text + (f"# {comment}\n" if comment else "") + f"{key}: {value_text}\n"
-    after = parse_mapping(new_text, str(path))
-    if key not in after or set(after) - {key} != set(before) - {key}:
-        raise KtlongError(f"{path}: editing '{key}' would change other settings; left untouched",
-                          hint=f"write `{key}: {value_text}` there yourself")
-    atomic_write(path, new_text)
+        return "".join(lines)
+    if text and not text.endswith("\n"):
+        text += "\n"
+    return text + (f"# {comment}\n" if comment else "") + f"{key}: {value_text}\n"

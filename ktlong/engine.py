@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from ktlong import memory
 from ktlong.attention import AttentionRouter
-from ktlong.config import CHUNK_AUTO, Settings, ktlong_home
+from ktlong.config import CHUNK_AUTO, Settings
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KVStore, StoreShape
 from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
@@ -64,7 +65,12 @@ ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they 
 
 
 def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = None) -> None:
-    """Raise (one clear line) if `need` tokens do not fit in max_seq_len (or `capacity`)."""
+    """Raise (one clear line) if `need` tokens do not fit in max_seq_len (or `capacity`).
+
+    Before a store exists (`capacity` None) it also checks the room where kv_tier puts the KV:
+    free DRAM for the RAM tier; free disk (the file for max_seq_len) and DRAM for the anchors and
+    one decode step for the disk tier (`memory.room_problem`; the weights are loaded by then).
+    """
     cap = settings.max_seq_len if capacity is None else capacity
     if need > cap:
         per_tok = kv_bytes_per_token(spec, settings.kv_type)
@@ -73,6 +79,8 @@ def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = 
             f"{need:,} tokens need {gb(need * per_tok)} of KV cache",
             hint="run `ktlong memcheck` to see what fits, then raise max_seq_len",
         )
+    if capacity is None:
+        memory.check_room(spec, settings, need, weights_in_dram=False)
 
 
 def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> int:
@@ -95,7 +103,7 @@ def tier_dir(spec: Any, settings: Settings) -> Path | None:
     """Folder of the KV disk tier's file when the tier resolves to DISK, else None."""
     if resolve_tier(spec, settings) != "DISK":
         return None
-    return Path(settings.cache_dir or ktlong_home() / "cache").expanduser() / "tier"
+    return memory.tier_folder(settings)
 
 
 class Session:

@@ -1,30 +1,46 @@
-"""How much KV cache a model needs per length, how much memory is free, and which max_seq_len fits.
+"""How much KV cache a model needs per length, how much memory and disk are free, what fits.
 
-Budget for `n` tokens in DRAM: `KV(n) * 1.10 + weights + 2 GiB` — 10% on the KV for anchors,
-partial blocks and the chat's own turns, the weights (they live in DRAM unless a GPU holds them),
-and 2 GiB for the OS, Python and torch. On the GPU, prefill holds the weights plus one layer's K,V
-for the whole context and one chunk's activations (about 1 GiB). Sizes print in decimal GB.
+Two places for the KV cache (`kv_tier`):
+- RAM: `n` tokens need `KV(n) * 1.10 + weights + 2 GiB` of DRAM — 10% on the KV for anchors,
+  partial blocks and the chat's own turns, the weights (they live in DRAM unless a GPU holds
+  them), and 2 GiB for the OS, Python and torch.
+- DISK: the KV goes to a memory-mapped file under `cache_dir/tier` (`KV(n)` rounded up to whole
+  blocks, reserved at once for `max_seq_len`; 1 GiB of the file system is kept free besides).
+  DRAM then holds the weights, the 2 GiB, the block anchors (`(head_dim + 4) * anchor_num` bytes
+  per KV head per block per layer) and the KV one decode step reads, which the page cache must
+  keep to decode at DRAM speed: init + local window + selected blocks + the partial block of each
+  sparse layer (16,640 tokens with the default profile), every token of a dense layer.
+On the GPU, prefill holds the weights plus one layer's K,V for the whole context and one chunk's
+activations (about 1 GiB). Sizes print in decimal GB.
 """
 from __future__ import annotations
 
 import functools
 import importlib.util
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from ktlong.config import MAX_SEQ_LEN
+from ktlong.config import MAX_SEQ_LEN, Settings, ktlong_home
+from ktlong.errors import KtlongError
 
 GIB = 1024**3
 OS_RESERVE = 2 * GIB  # OS + Python + torch
 KV_MARGIN = 0.10  # anchors, partial blocks, the chat's own turns
+DISK_RESERVE = 1 * GIB  # left free on the disk tier's file system
+ANCHOR_EXTRA = 4  # bytes after an anchor's head_dim codes: its scale (kernels/anchors.Q8_EXTRA)
 GPU_ACTIVATIONS = 1 * GIB  # one prefill chunk's activations
 LENGTHS = (("4K", 4096), ("32K", 32768), ("64K", 65536), ("128K", 131072), ("256K", 262144),
            ("512K", 524288), ("1M", 1048576))
+FULL_CONTEXT = 1 << 20  # the longest context memcheck aims for (or the model's own, if shorter)
+SHOWN_KV_TYPES = ("BF16", "Q8_0", "Q4_0")  # memcheck's comparison, most precise first
+DISK_KV_TYPES = ("Q8_0", "Q4_0")  # offered with the disk tier: decode reads fewer pages
 _UNLIMITED = 1 << 60  # cgroup v1 writes ~2**63 for "no limit"
+_DEFAULTS = Settings()
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,137 @@ def recommend_max_seq_len(spec: Any, kv_type: str, free_bytes: int,
     if spec.max_positions and spec.max_positions > 0:
         tokens = min(tokens, spec.max_positions)
     return tokens
+
+
+def step_tokens(settings: Any) -> int:
+    """Tokens one decode step reads per sparse layer: init + selected + local window + the
+    partial block (`SelectionPolicy.budget_blocks` blocks)."""
+    bs = settings.block_size
+    return (settings.init_len // bs + settings.second_select_num
+            + settings.local_windows_len // bs + 1) * bs
+
+
+def anchor_bytes(spec: Any, tokens: int, settings: Any = _DEFAULTS) -> int:
+    """The block anchors (always in DRAM): one 8-bit row with its scale per anchor, KV head,
+    block and layer."""
+    blocks = -(-tokens // settings.block_size)
+    return (spec.n_layers * spec.n_kv_heads * blocks * settings.anchor_num
+            * (spec.head_dim + ANCHOR_EXTRA))
+
+
+def resident_bytes(spec: Any, kv_type: str, tokens: int, settings: Any = _DEFAULTS) -> int:
+    """Disk tier: the KV one decode step reads, which the page cache keeps in DRAM."""
+    per_layer = kv_bytes_per_token(spec, kv_type) // spec.n_layers
+    dense = spec.n_layers if settings.attention == "DENSE" else min(settings.dense_layer_num,
+                                                                     spec.n_layers)
+    window = min(tokens, step_tokens(settings))
+    return per_layer * (dense * tokens + (spec.n_layers - dense) * window)
+
+
+def disk_tier_dram(spec: Any, kv_type: str, tokens: int, settings: Any = _DEFAULTS,
+                   weights_in_dram: bool = True) -> int:
+    """DRAM the disk tier needs for `tokens`: weights, OS, anchors, one step's KV."""
+    return ((spec.weights_bytes if weights_in_dram else 0) + OS_RESERVE
+            + anchor_bytes(spec, tokens, settings) + resident_bytes(spec, kv_type, tokens,
+                                                                    settings))
+
+
+def disk_need(spec: Any, kv_type: str, tokens: int, settings: Any = _DEFAULTS) -> int:
+    """Bytes of the disk tier's file for a store of `tokens` tokens: whole blocks of KV."""
+    bs = settings.block_size
+    return kv_bytes_per_token(spec, kv_type) * (-(-tokens // bs) * bs)
+
+
+def longest(fits: Callable[[int], bool], cap: int) -> int:
+    """The longest context that `fits` (monotone): `cap` itself, else the largest multiple of
+    1024 below it; 0 when not even 1024 tokens fit."""
+    if cap <= 0:
+        return 0
+    if fits(cap):
+        return cap
+    lo, hi = 0, (cap - 1) // 1024  # fits(lo * 1024) (lo = 0: nothing), not fits((hi + 1) * 1024)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * 1024):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 1024
+
+
+def length_cap(spec: Any) -> int:
+    """The longest max_seq_len worth having: the model's own positions (or the largest)."""
+    return min(spec.max_positions, MAX_SEQ_LEN) if spec.max_positions and \
+        spec.max_positions > 0 else MAX_SEQ_LEN
+
+
+def longest_disk_tier(spec: Any, kv_type: str, free_dram: int, free_disk: int,
+                      settings: Any = _DEFAULTS, weights_in_dram: bool = True) -> int:
+    """Longest context the disk tier holds: its file fits on free disk (less DISK_RESERVE) and
+    its DRAM part in free DRAM."""
+    def fits(n: int) -> bool:
+        return (disk_need(spec, kv_type, n, settings) <= free_disk - DISK_RESERVE
+                and disk_tier_dram(spec, kv_type, n, settings, weights_in_dram) <= free_dram)
+
+    return longest(fits, length_cap(spec))
+
+
+def full_context(spec: Any) -> int:
+    """The context memcheck aims for: the model's own, at most 1M tokens."""
+    return min(length_cap(spec), FULL_CONTEXT)
+
+
+def tokens_label(n: int) -> str:
+    """131072 -> '128K', 1048576 -> '1M', 200000 -> '200,000'."""
+    if n and n % (1 << 20) == 0:
+        return f"{n >> 20:,}M"
+    return f"{n >> 10:,}K" if n and n % 1024 == 0 else f"{n:,}"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """memcheck's recommendation: what `--write` puts in config.yaml, and why (one line)."""
+
+    max_seq_len: int
+    kv_type: str
+    kv_tier: str
+    why: str
+
+
+def choose(spec: Any, free_dram: int, free_disk: int | None, kv_types: Sequence[str] = (),
+           settings: Any = _DEFAULTS, weights_in_dram: bool = True) -> Choice:
+    """The best setting that fits. With no `kv_types` given, BF16 > Q8_0 > Q4_0 in RAM when one
+    holds the full context (min(model max, 1M)); else the disk tier (Q8_0 if it reaches as far
+    as Q4_0) when it reaches further than any RAM option; else the longest RAM option. With one
+    `kv_types` (the user's --kv-type), only the tier and the length are chosen."""
+    fixed = bool(kv_types)
+    types = [t.upper() for t in kv_types] if fixed else list(SHOWN_KV_TYPES)
+    full = full_context(spec)
+    ram = {t: recommend_max_seq_len(spec, t, free_dram, weights_in_dram) for t in types}
+    for t in types:
+        if ram[t] >= full:
+            miss = [f"{u} {tokens_label(ram[u])}" for u in types[: types.index(t)]]
+            return Choice(ram[t], t, "RAM", f"{t} holds the full context ({tokens_label(full)}) "
+                          "in free RAM" + (f"; more precise types do not (at most "
+                                           f"{', '.join(miss)})" if miss else ""))
+    best_ram = max(types, key=lambda t: ram[t])  # the first (most precise) among equals
+    disk_types = types if fixed else [t for t in types if t in DISK_KV_TYPES]
+    disk = {t: 0 if free_disk is None else
+            longest_disk_tier(spec, t, free_dram, free_disk, settings, weights_in_dram)
+            for t in disk_types}
+    best_disk = max(disk_types, key=lambda t: disk[t]) if disk_types else None
+    in_ram = (f"in free RAM at most {tokens_label(ram[best_ram])} tokens fit ({best_ram})"
+              if ram[best_ram] else "not even 1K tokens fit in free RAM")
+    if best_disk is not None and min(disk[best_disk], full) > ram[best_ram]:
+        n = min(disk[best_disk], full)
+        reach = "the full context" if n >= full else "the most"
+        return Choice(n, best_disk, "DISK", f"{in_ram}; with the KV on disk {best_disk} reaches "
+                      f"{reach} ({tokens_label(n)})")
+    if not ram[best_ram]:
+        return Choice(0, best_ram, "RAM", in_ram + " and the disk tier does not fit either")
+    return Choice(ram[best_ram], best_ram, "RAM",
+                  f"{in_ram}; the full context ({tokens_label(full)}) fits nowhere and the "
+                  "disk tier reaches no further")
 
 
 # --- free memory --------------------------------------------------------------------------------
@@ -166,58 +313,174 @@ def free_gpu_bytes() -> int | None:
     return int(free)
 
 
+def tier_folder(settings: Any) -> Path:
+    """Where the disk tier's file goes: `cache_dir/tier` (default `$KTLONG_HOME/cache/tier`)."""
+    return Path(settings.cache_dir or ktlong_home() / "cache").expanduser() / "tier"
+
+
+def free_disk_bytes(folder: Path) -> int:
+    """Free bytes on the file system that holds `folder` (or its nearest existing parent)."""
+    p = Path(folder).expanduser().absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return int(psutil.disk_usage(str(p)).free)
+
+
+# --- the preflight ------------------------------------------------------------------------------
+
+def room_problem(spec: Any, settings: Any, tokens: int, free_dram: int | None = None,
+                 free_disk: int | None = None, weights_in_dram: bool = True) -> KtlongError | None:
+    """Why `tokens` tokens do not fit where `settings.kv_tier` puts the KV, or None.
+
+    RAM tier: DRAM for their KV (`dram_need`). DISK tier: disk for the tier file (sized for
+    `max_seq_len`, reserved at once) and DRAM for the anchors and one decode step
+    (`disk_tier_dram`). `weights_in_dram=False` once the weights are loaded (no longer free).
+    """
+    free = free_dram_bytes() if free_dram is None else free_dram
+    kv = settings.kv_type
+    tier = resolve_tier(spec, settings, free)
+    folder = tier_folder(settings)
+
+    def disk_free() -> int:
+        return free_disk_bytes(folder) if free_disk is None else free_disk
+
+    head = f"{tokens:,} tokens of {kv} KV cache ({gb(kv_bytes_per_token(spec, kv) * tokens)})"
+    smaller = "" if kv == "Q4_0" else "a smaller kv_type (--kv-type Q4_0), "
+    memcheck = "; `ktlong memcheck` shows what fits"
+    if tier == "RAM":
+        need = dram_need(spec, kv, tokens, weights_in_dram)
+        if need <= free:
+            return None
+        disk_ok = (disk_need(spec, kv, settings.max_seq_len, settings) + DISK_RESERVE
+                   <= disk_free()
+                   and disk_tier_dram(spec, kv, tokens, settings, weights_in_dram) <= free)
+        return KtlongError(
+            f"{head} need {gb(need)} of RAM with kv_tier RAM but {gb(free)} is free",
+            hint=("set kv_tier: DISK (--set kv_tier=DISK) to keep the KV in a file in "
+                  f"{folder}" if disk_ok else f"use {smaller}a shorter document or a smaller "
+                  "model") + memcheck)
+    file, have = disk_need(spec, kv, settings.max_seq_len, settings), disk_free()
+    if file + DISK_RESERVE > have:
+        fits = max(have - DISK_RESERVE, 0) // kv_bytes_per_token(spec, kv) // 1024 * 1024
+        return KtlongError(
+            f"the KV disk tier needs {gb(file)} in {folder} for max_seq_len "
+            f"{settings.max_seq_len:,} ({kv}), and {DISK_RESERVE // GIB} GiB kept free, but "
+            f"{gb(have)} is free there",
+            hint=(f"lower max_seq_len to {tokens_label(fits)} or less, " if fits >= tokens
+                  else "") + "free disk space or move it with --cache-dir"
+            + ("" if kv == "Q4_0" else " or use --kv-type Q4_0") + memcheck)
+    need = disk_tier_dram(spec, kv, tokens, settings, weights_in_dram)
+    if need > free:
+        return KtlongError(
+            f"{head} need {gb(need)} of RAM even with the KV on disk (the OS, the anchors and one "
+            f"decode step's blocks) but {gb(free)} is free",
+            hint=f"use {smaller}a shorter document or a smaller model" + memcheck)
+    return None
+
+
+def check_room(spec: Any, settings: Any, tokens: int, weights_in_dram: bool = True) -> None:
+    """Raise `room_problem`'s refusal, if any (free DRAM and disk read now)."""
+    problem = room_problem(spec, settings, tokens, weights_in_dram=weights_in_dram)
+    if problem is not None:
+        raise problem
+
+
 # --- the memcheck table -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Row:
     label: str
     tokens: int
+    kv_type: str
     kv_bytes: int
-    dram_need: int
+    dram_need: int  # RAM tier: DRAM
     fits_dram: bool
+    disk_tier_dram: int  # disk tier: DRAM (weights, OS, anchors, one step's KV)
+    disk_need: int  # disk tier: the file
+    fits_disk_tier: bool | None  # None: free disk not known
     gpu_need: int | None
     fits_gpu: bool | None
 
 
-def length_rows(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None) -> list[Row]:
-    """One row per standard length plus the model's own max positions."""
+def lengths_of(spec: Any) -> list[tuple[str, int]]:
+    """The standard lengths plus the model's own max positions, labelled."""
     lengths = list(LENGTHS)
     if spec.max_positions and spec.max_positions not in dict(LENGTHS).values():
         lengths.append(("model max", spec.max_positions))
         lengths.sort(key=lambda x: x[1])
+    return [(label + " (model max)" if n == spec.max_positions and label != "model max"
+             else label, n) for label, n in lengths]
+
+
+def length_rows(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None,
+                free_disk: int | None = None, settings: Any = _DEFAULTS) -> list[Row]:
+    """One row per standard length plus the model's own max positions, for one kv_type."""
+    kv_type = kv_type.upper()
+    in_dram = free_gpu is None  # a GPU holds the weights
     rows = []
-    for label, n in lengths:
-        if n == spec.max_positions and label != "model max":
-            label += " (model max)"
-        need = dram_need(spec, kv_type, n, weights_in_dram=free_gpu is None)
+    for label, n in lengths_of(spec):
+        need = dram_need(spec, kv_type, n, weights_in_dram=in_dram)
+        tier_dram = disk_tier_dram(spec, kv_type, n, settings, weights_in_dram=in_dram)
+        disk = disk_need(spec, kv_type, n, settings)
+        fits_disk = None if free_disk is None else (tier_dram <= free_dram
+                                                    and disk <= free_disk - DISK_RESERVE)
         g = gpu_need(spec, kv_type, n) if free_gpu is not None else None
-        rows.append(Row(label, n, kv_bytes_per_token(spec, kv_type) * n, need, need <= free_dram,
+        rows.append(Row(label, n, kv_type, kv_bytes_per_token(spec, kv_type) * n, need,
+                        need <= free_dram, tier_dram, disk, fits_disk,
                         g, None if g is None or free_gpu is None else g <= free_gpu))
     return rows
 
 
-def report(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None) -> dict[str, Any]:
-    """Everything memcheck shows, as plain data (also its --json output)."""
-    kv_type = kv_type.upper()
+def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
+           free_disk: int | None = None, settings: Any = _DEFAULTS,
+           disk_folder: Path | str | None = None) -> dict[str, Any]:
+    """Everything memcheck shows, as plain data (also its --json output).
+
+    `kv_type` None compares BF16, Q8_0 and Q4_0; a type (the user's --kv-type) narrows the table
+    and the recommendation to it. `free_disk` None leaves the disk tier out (unknown).
+    """
+    types = [kv_type.upper()] if kv_type else list(SHOWN_KV_TYPES)
     gpu = free_gpu is not None
+    rows = [r for t in types for r in length_rows(spec, t, free_dram, free_gpu, free_disk,
+                                                   settings)]
+    rows.sort(key=lambda r: r.tokens)  # stable: each length's types stay in order
+    in_dram = not gpu
+    longest_by_type = {t: {"RAM": recommend_max_seq_len(spec, t, free_dram, in_dram),
+                           "DISK": None if free_disk is None else
+                           longest_disk_tier(spec, t, free_dram, free_disk, settings, in_dram)}
+                       for t in types}
+    choice = choose(spec, free_dram, free_disk, [kv_type] if kv_type else (), settings, in_dram)
     return {
         "model": spec.path,
         "reference": isinstance(spec, ReferenceShape),
         "arch": spec.arch,
         "n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
         "max_positions": spec.max_positions,
-        "kv_type": kv_type,
-        "kv_bytes_per_token": kv_bytes_per_token(spec, kv_type),
+        "full_context": full_context(spec),
+        "kv_type": kv_type.upper() if kv_type else None,  # the --kv-type asked for, if any
+        "kv_types": types,
+        "kv_bytes_per_token": {t: kv_bytes_per_token(spec, t) for t in types},
         "weights_bytes": spec.weights_bytes,
         "weights_estimated": getattr(spec, "weights_estimated", False),  # no weight files
         "weights_on": "GPU" if gpu else "DRAM",
         "free_dram_bytes": free_dram,
         "free_gpu_bytes": free_gpu,
+        "free_disk_bytes": free_disk,
+        "disk_folder": None if disk_folder is None else str(disk_folder),
+        "disk_reserve_bytes": DISK_RESERVE,
+        "step_tokens": step_tokens(settings),
         "headroom": f"KV + {KV_MARGIN:.0%} + {OS_RESERVE // GIB} GiB for the OS"
                     + ("" if gpu else " + weights"),
-        "rows": [asdict(r) for r in length_rows(spec, kv_type, free_dram, free_gpu)],
-        "recommended_max_seq_len": recommend_max_seq_len(spec, kv_type, free_dram,
-                                                          weights_in_dram=not gpu),
+        "disk_headroom": ("" if gpu else "weights + ") + f"{OS_RESERVE // GIB} GiB for the OS "
+                         f"+ anchors + one decode step's KV ({step_tokens(settings):,} tokens "
+                         "per sparse layer)",
+        "rows": [asdict(r) for r in rows],
+        "longest": longest_by_type,
+        "longest_in_dram": max(v["RAM"] for v in longest_by_type.values()),
+        "longest_with_disk": None if free_disk is None else max(
+            max(v["RAM"], v["DISK"] or 0) for v in longest_by_type.values()),
+        "recommended": asdict(choice),
+        "recommended_max_seq_len": choice.max_seq_len,
     }
 
 

@@ -14,6 +14,7 @@ complete `*.ktkv` files are ever opened. JSON + raw arrays: no pickle, nothing i
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ktlong.config import Settings, ktlong_home
-from ktlong.engine import Progress, Session, check_fits
+from ktlong.engine import Progress, Session, check_fits, tier_dir
 from ktlong.errors import KtlongError
 from ktlong.kernels import Q8_EXTRA, kv_to_f64, q8_encode
 from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, row_elems
@@ -386,6 +387,16 @@ class PromptCache:
                 best = e
         return best
 
+    def find_other_type(self, ck: dict[str, Any], ids: list[int]) -> Entry | None:
+        """The longest entry that `find_prefix` would give but for another kv_type."""
+        best = None
+        for kv_type in KV_TYPES:
+            if kv_type != ck["kv_type"]:
+                e = self.find_prefix({**ck, "kv_type": kv_type}, ids)
+                if e and (best is None or e.header["n_tokens"] > best.header["n_tokens"]):
+                    best = e
+        return best
+
     def store(
         self, session: Session, ck: dict[str, Any], folder: str = "entries", name: str | None = None
     ) -> Path:
@@ -429,6 +440,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+CONVERT_TOKENS = 32768  # tokens per layer converted at a time (bounds the float32 copy)
+
+
+def convert_store(src: KVStore, shape: StoreShape, capacity: int,
+                  tier: Path | None) -> KVStore:
+    """A new store in `shape.kv_type` (RAM, or the disk tier in `tier`) holding src's tokens:
+    each layer decoded to float32 and encoded again, a slice at a time; anchors are copied (their
+    format does not depend on the KV's)."""
+    dst = KVStore(shape, capacity, tier_dir=tier)
+    n = src.length
+    for layer in range(shape.n_layers):
+        for t0 in range(0, n, CONVERT_TOKENS):
+            dst.write(layer, *src.token_range(layer, t0, min(n, t0 + CONVERT_TOKENS)))
+        na = src.n_anchored[layer]
+        dst.anchors[layer][:, :na] = src.anchors[layer][:, :na]
+        dst.n_anchored[layer] = na
+        if src.mapped:
+            src.release_mapped()
+    return dst
+
+
 def open_cache(settings: Settings, cache_dir: Path | None = None) -> PromptCache:
     return PromptCache(cache_root(settings, cache_dir), int(settings.cache_max_gb * 1e9))
 
@@ -469,13 +501,36 @@ def open_document(
             except DamagedEntry as e:
                 note = f"prompt cache entry {entry.path.name} is damaged ({e}); recomputing"
                 entry.path.unlink(missing_ok=True)
-        session = Session(lm, settings)
-        session.prefill(ids, progress)
+        other = None if entry else cache.find_other_type(ck, ids)
+        session, source = None, "prefill"
+        if other is not None:  # the document is cached in another kv_type: convert it
+            try:
+                t0 = time.perf_counter()
+                src, cached_ids, spent = cache._open(other, settings)
+                shape = dataclasses.replace(src.shape, kv_type=settings.kv_type)
+                store = convert_store(src, shape, settings.max_seq_len,
+                                      tier_dir(lm.spec, settings))
+                del src
+                session, source = Session(lm, settings, store=store, tokens=cached_ids), "cache"
+                note = (f"converted the cached {other.header['content']['kv_type']} KV to "
+                        f"{settings.kv_type} in {time.perf_counter() - t0:.1f} s; saved in that "
+                        "type too")
+                if len(cached_ids) < len(ids):
+                    session.prefill(ids[len(cached_ids) :], progress)
+                else:
+                    session.extend_to(ids)
+            except DamagedEntry as e:
+                note = f"prompt cache entry {other.path.name} is damaged ({e}); recomputing"
+                other.path.unlink(missing_ok=True)
+                session, source = None, "prefill"
+        if session is None:
+            session = Session(lm, settings)
+            session.prefill(ids, progress)
         try:
             path = cache.store(session, ck)
         except KtlongError as e:
-            return Opened(session, "prefill", None, f"{e.message} ({e.hint})")
-    return Opened(session, "prefill", path, note)
+            return Opened(session, source, None, f"{e.message} ({e.hint})")
+    return Opened(session, source, path, note)
 
 
 def save_conversation(

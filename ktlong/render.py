@@ -29,42 +29,77 @@ def _yes(flag: bool | None) -> str:
     return "-" if flag is None else ("[green]yes[/]" if flag else "[red]no[/]")
 
 
-def memcheck(r: dict[str, Any], configured: int, written: str | None) -> None:
-    """The memcheck table: KV size per length, what fits, the recommended max_seq_len."""
+def _fits(row: dict[str, Any]) -> str:
+    """Where a row's context fits: RAM (either tier), the disk tier only, or nowhere."""
+    if row["fits_dram"]:
+        return "[green]RAM[/]"
+    if row["fits_disk_tier"]:
+        return "[yellow]disk[/]"
+    return "[red]no[/]" if row["fits_disk_tier"] is False else "[red]no RAM[/]"
+
+
+def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None) -> None:
+    """The memcheck table: per length and kv_type, what the RAM tier and the disk tier need and
+    which fits; the longest contexts; the recommended max_seq_len, kv_type and kv_tier."""
     out = console()
     out.soft_wrap = True  # sentences and paths are not cut; tables still fit the width
-    gpu = r["free_gpu_bytes"]
+    gpu, disk = r["free_gpu_bytes"], r["free_disk_bytes"]
+    types = r["kv_types"]
     src = ("[yellow]no --model given: using a " + escape(r["model"]) + "[/]" if r["reference"]
            else f"model {escape(r['model'])} ({r['arch']})")
     out.print(src)
-    out.print(f"{r['n_layers']} layers x {r['n_kv_heads']} KV heads x head_dim {r['head_dim']}, "
-              f"{r['kv_type']} KV: [bold]{r['kv_bytes_per_token']:,} bytes per token[/] "
-              f"({memory.gb(r['kv_bytes_per_token'] * 131072)} per 128K tokens)")
+    per = ", ".join(f"{t} [bold]{r['kv_bytes_per_token'][t]:,}[/]" for t in types)
+    out.print(f"{r['n_layers']} layers x {r['n_kv_heads']} KV heads x head_dim {r['head_dim']}; "
+              f"KV bytes per token: {per}")
     estimate = ("~", ", an estimate from config.json: the folder has no weight files") \
         if r.get("weights_estimated") else ("", "")
     out.print(f"weights {estimate[0]}{memory.gb(r['weights_bytes'])} (in {r['weights_on']}"
-              f"{estimate[1]}), free DRAM {memory.gb(r['free_dram_bytes'])}, "
-              + ("no CUDA GPU" if gpu is None else f"free GPU {memory.gb(gpu)}"))
-    table = Table("context", "tokens", "KV cache", "DRAM need", "fits",
-                  *(("GPU prefill peak", "fits GPU") if gpu is not None else ()))
+              f"{estimate[1]}); free: RAM {memory.gb(r['free_dram_bytes'])}, "
+              + ("disk unknown" if disk is None else
+                 f"disk {memory.gb(disk)} ({escape(str(r['disk_folder']))})") + ", "
+              + ("no CUDA GPU" if gpu is None else f"GPU {memory.gb(gpu)}"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("context", "tokens", "KV", "KV cache", "RAM tier\nRAM", "disk tier\nRAM",
+                "disk tier\ndisk", "fits", *(("GPU\npeak", "fits\nGPU") if gpu is not None
+                                             else ())):
+        table.add_column(col, justify="left" if col in ("context", "KV", "fits") else "right")
+    last = None
     for row in r["rows"]:
         label = row["label"].replace(" (model max)", "*").replace("model max", "model max*")
+        first = row["tokens"] != last
+        last = row["tokens"]
         gpu_cells = () if gpu is None else (memory.gb(row["gpu_need"]), _yes(row["fits_gpu"]))
-        table.add_row(label, f"{row['tokens']:,}", memory.gb(row["kv_bytes"]),
-                      memory.gb(row["dram_need"]), _yes(row["fits_dram"]), *gpu_cells)
+        table.add_row(label if first else "", f"{row['tokens']:,}" if first else "",
+                      row["kv_type"], memory.size(row["kv_bytes"]), memory.size(row["dram_need"]),
+                      memory.size(row["disk_tier_dram"]), memory.size(row["disk_need"]),
+                      _fits(row),
+                      *gpu_cells)
     out.print(table)
-    out.print(f"* the model's own maximum context. DRAM need = {r['headroom']}.")
-    rec = r["recommended_max_seq_len"]
-    if rec == 0:
-        out.print("[red]Not even 1K tokens fit next to the weights: free memory, or use a smaller "
-                  "model or kv_type.[/]")
+    out.print(f"* the model's own maximum context. RAM tier: {r['headroom']}. Disk tier: the KV "
+              f"in a file (disk, {r['disk_reserve_bytes'] / memory.GIB:g} GiB kept free), in RAM "
+              f"{r['disk_headroom']}. fits: RAM = in RAM, disk = only with the KV on disk.")
+    lab = memory.tokens_label
+    out.print("longest context in free RAM: " + ", ".join(
+        f"{t} {lab(r['longest'][t]['RAM'])}" for t in types))
+    if disk is not None:
+        out.print("longest with the KV on disk: " + ", ".join(
+            f"{t} {lab(r['longest'][t]['DISK'])}" for t in types))
+    rec = r["recommended"]
+    if rec["max_seq_len"] == 0:
+        out.print("[red]Not even 1K tokens fit next to the weights, in RAM or with the KV on "
+                  "disk: free memory, or use a smaller model or kv_type.[/]")
     else:
-        out.print(f"recommended max_seq_len: [bold]{rec:,}[/] (configured: {configured:,})")
+        out.print(f"recommended: [bold]max_seq_len {rec['max_seq_len']:,}, kv_type "
+                  f"{rec['kv_type']}, kv_tier {rec['kv_tier']}[/] ({rec['why']})")
+    out.print(f"configured: max_seq_len {configured['max_seq_len']:,}, kv_type "
+              f"{configured['kv_type']}, kv_tier {configured['kv_tier']}")
     if written:
-        out.print(f"wrote max_seq_len: {rec} to {escape(written)}")
-    elif rec and configured > rec:
-        out.print(f"[yellow]the configured max_seq_len {configured:,} does not fit; run "
-                  "`ktlong memcheck --write` (with your --model) to lower it[/]")
+        out.print(f"wrote max_seq_len: {rec['max_seq_len']}, kv_type: {rec['kv_type']}, "
+                  f"kv_tier: {rec['kv_tier']} to {escape(written)}")
+    elif rec["max_seq_len"] and any(configured[k] != rec[k]
+                                    for k in ("max_seq_len", "kv_type", "kv_tier")):
+        out.print("[yellow]run `ktlong memcheck --write` (with your --model) to store the "
+                  "recommendation[/]")
 
 
 def settings(resolved: Any, explain: bool, keys: list[str] | None = None) -> None:

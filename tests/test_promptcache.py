@@ -75,7 +75,8 @@ def test_selection_settings_do_not_invalidate_but_kv_settings_do(lm, tmp_path):
     open_document(lm, settings(anchor_type="MEAN"), ids, cache_dir=tmp_path)
     other_policy = settings(anchor_type="MEAN", second_select_num=3, token_step=2)
     assert open_document(lm, other_policy, ids, cache_dir=tmp_path).source == "cache"
-    assert open_document(lm, settings(kv_type="BF16"), ids, cache_dir=tmp_path).source == "prefill"
+    bf16 = open_document(lm, settings(kv_type="BF16"), ids, cache_dir=tmp_path)
+    assert bf16.source == "cache" and "converted the cached FP32 KV to BF16" in bf16.note
     windowed = settings(anchor_type="MEAN", prefill_window=256)  # other KV: its own entry
     assert open_document(lm, windowed, ids, cache_dir=tmp_path).source == "prefill"
     assert open_document(lm, windowed, ids, cache_dir=tmp_path).source == "cache"
@@ -83,6 +84,47 @@ def test_selection_settings_do_not_invalidate_but_kv_settings_do(lm, tmp_path):
         open_document(lm, settings(block_size=32, init_len=32), ids, cache_dir=tmp_path).source
         == "prefill"
     )
+
+
+@pytest.fixture(scope="module")
+def lm32():
+    """head_dim 32: whole Q8_0 / Q4_0 blocks."""
+    return load_model(hf_model("llama", head_dim=32), device="CPU", dtype="float32")
+
+
+@pytest.mark.parametrize("kv_type", ["Q8_0", "Q4_0"])
+def test_quantised_kv_is_cached_in_its_own_format(lm32, kv_type, tmp_path):
+    st = settings(kv_type=kv_type, anchor_type="MEAN")
+    ids = _ids(lm32, 1000, seed=7)  # (seeds 5, 6: the hit's re-fed last token flips a near-tie)
+    first = open_document(lm32, st, ids, cache_dir=tmp_path)
+    fresh = _answer(first.session)
+    row = first.session.store.row
+    # 32 codes (16 bytes of nibbles) + a float16 scale, padded to 4 bytes
+    assert first.session.store.k_tail[0].dtype == np.uint8 and row == (36 if kv_type == "Q8_0"
+                                                                        else 20)
+    again = open_document(lm32, st, ids, cache_dir=tmp_path)
+    assert again.source == "cache" and again.session.store.k_base[0].shape[-1] == row
+    for layer in range(2):  # the mapped blocks hold the prefill's bytes
+        np.testing.assert_array_equal(again.session.store.row_range(layer, 0, 992)[0],
+                                      first.session.store.row_range(layer, 0, 992)[0])
+    assert _answer(again.session) == fresh
+
+
+def test_a_cache_in_another_kv_type_is_converted_once_then_hit(lm32, tmp_path):
+    ids = _ids(lm32, 900)
+    bf16 = open_document(lm32, settings(kv_type="BF16", anchor_type="MEAN"), ids,
+                         cache_dir=tmp_path)
+    q8 = settings(kv_type="Q8_0", anchor_type="MEAN")
+    conv = open_document(lm32, q8, ids, cache_dir=tmp_path)
+    assert conv.source == "cache" and "converted the cached BF16 KV to Q8_0" in conv.note
+    src, dst = bf16.session.store, conv.session.store
+    for layer in range(2):  # the BF16 values, quantised: nothing recomputed
+        want = kernels.f32_to_kv(src.token_range(layer, 0, 896)[0].numpy(), 3)
+        np.testing.assert_array_equal(dst.row_range(layer, 0, 896)[0], want)
+        np.testing.assert_array_equal(dst.anchors[layer][:, :56], src.anchors[layer][:, :56])
+    hit = open_document(lm32, q8, ids, cache_dir=tmp_path)  # saved in Q8_0 as well
+    assert hit.source == "cache" and hit.note == "" and hit.entry != bf16.entry
+    assert _answer(hit.session) == _answer(conv.session)
 
 
 def _entry(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MODEL_DIR = Path(__file__).parent / "model"
 DEMO_TOKENS = 16384
@@ -26,11 +27,12 @@ class Demo:
 
 
 def cost(n_tokens: int, kv_type: str, model: Path | None = None, threads: int = 0,
-         windowed: bool = True, max_seq_len: int | None = None) -> str:
+         windowed: bool = True, max_seq_len: int | None = None, settings: Any = None) -> str:
     """What a demo document of `n_tokens` costs on this machine, as one line: its KV cache (in RAM,
     and as much again on disk as a prompt-cache entry) and, for the demo model, an estimated
     prefill time. Raises a KtlongError, before the document is written, when its KV cache does
-    not fit in free memory or the document is longer than `max_seq_len`."""
+    not fit in free memory (or, when `settings`' kv_tier resolves to DISK, on free disk) or the
+    document is longer than `max_seq_len`."""
     import os
 
     from ktlong import memory
@@ -41,7 +43,13 @@ def cost(n_tokens: int, kv_type: str, model: Path | None = None, threads: int = 
     spec = read_spec(model or MODEL_DIR, need_weights=False)
     kv = memory.kv_bytes_per_token(spec, kv_type) * n_tokens
     need, free = memory.dram_need(spec, kv_type, n_tokens), memory.free_dram_bytes()
-    if need > free:
+    where = "in RAM"
+    if settings is not None and memory.resolve_tier(spec, settings, free) == "DISK":
+        problem = memory.room_problem(spec, settings, n_tokens, free_dram=free)
+        if problem is not None:
+            raise KtlongError(f"--demo-tokens {n_tokens:,}: {problem.message}", hint=problem.hint)
+        where = "on disk (kv_tier DISK)"
+    elif need > free:
         fits = memory.recommend_max_seq_len(spec, kv_type, free)
         raise KtlongError(
             f"--demo-tokens {n_tokens:,} needs {memory.gb(need)} of RAM ({memory.size(kv)} of "
@@ -49,7 +57,7 @@ def cost(n_tokens: int, kv_type: str, model: Path | None = None, threads: int = 
             f"{memory.OS_RESERVE // memory.GIB} GiB for the OS) but {memory.gb(free)} is free",
             hint=f"use --demo-tokens {fits // 1024}K or less" if fits >= 1024
             else "free some memory first")
-    line = f"{memory.size(kv)} of KV cache in RAM, as much on disk in the prompt cache"
+    line = f"{memory.size(kv)} of KV cache {where}, as much on disk in the prompt cache"
     if model is None:
         try:
             cores = threads or len(os.sched_getaffinity(0))

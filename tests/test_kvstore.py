@@ -1,0 +1,146 @@
+"""The KV store's formats and tiers: Q8_0 / Q4_0 rows (bit-equal to the NumPy reference, within
+their error bounds), the disk tier (a file no one else can see, reserved up front), and a store
+that reads back what was written in every format and tier."""
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+from ktlong.kernels import kvquant
+
+from ktlong import kernels
+from ktlong.errors import KtlongError
+from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, from_storage, row_elems, to_storage
+from ktlong.memory import kv_row_bytes
+
+QUANT = {"Q8_0": kvquant.Q8_0, "Q4_0": kvquant.Q4_0}
+
+
+def _values(rng, shape, scale=1.0):
+    x = rng.standard_normal(shape).astype(np.float32) * scale
+    x[..., 5] *= 40  # an outlier channel, as real keys have
+    return x
+
+
+@pytest.mark.parametrize("kv_type", QUANT)
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_store_encoder_equals_the_numpy_reference_bit_for_bit(kv_type, d):
+    rng = np.random.default_rng(d)
+    x = _values(rng, (3, 50, d), scale=rng.uniform(1e-3, 1e3))
+    x[0, 0] = 0.0  # an all-zero row: scale 0, codes 0
+    got = to_storage(torch.from_numpy(x), kv_type)
+    want = kernels.f32_to_kv(x, QUANT[kv_type])
+    assert got.dtype == np.uint8 and got.shape == (3, 50, kv_row_bytes(kv_type, d))
+    np.testing.assert_array_equal(got, want)
+    back = from_storage(got, kv_type).numpy()
+    np.testing.assert_array_equal(back, kernels.kv_to_f64(want, QUANT[kv_type]).astype(np.float32))
+    assert np.all(back[0, 0] == 0)
+
+
+@pytest.mark.parametrize("kv_type, steps, within", [("Q8_0", 127, 0.5), ("Q4_0", 8, 1.0)])
+def test_round_trip_error_is_within_a_step_of_each_block(kv_type, steps, within):
+    """|x - x'| <= half a step (Q8_0), one step (Q4_0: values of the sign opposite the block's
+    largest clip at +7) plus the float16 rounding of the scale, and the block's largest value is
+    kept to float16 precision."""
+    rng = np.random.default_rng(7)
+    x = _values(rng, (4, 200, 128))
+    back = from_storage(to_storage(torch.from_numpy(x), kv_type), kv_type).numpy()
+    blocks, bb = x.reshape(-1, 32), back.reshape(-1, 32)
+    amax = np.abs(blocks).max(1, keepdims=True)
+    step = amax / steps
+    assert np.all(np.abs(blocks - bb) <= step * (within + 0.01) + 1e-7)
+    i = np.abs(blocks).argmax(1)
+    top, top_back = blocks[np.arange(len(i)), i], bb[np.arange(len(i)), i]
+    np.testing.assert_allclose(top_back, top, rtol=2e-3)
+    rms = np.sqrt(((blocks - bb) ** 2).mean() / (blocks ** 2).mean())
+    assert rms < (0.02 if kv_type == "Q8_0" else 0.2)  # a wrong code or scale gives ~1
+
+
+def test_two_round_trips_change_nothing():
+    """Re-encoding decoded rows gives the same bytes (a cache converted twice does not drift)."""
+    x = _values(np.random.default_rng(3), (2, 64, 64))
+    for kv_type in QUANT:
+        once = to_storage(torch.from_numpy(x), kv_type)
+        np.testing.assert_array_equal(to_storage(from_storage(once, kv_type), kv_type), once)
+
+
+def test_a_head_dim_that_is_not_whole_blocks_is_refused_in_one_line():
+    with pytest.raises(KtlongError, match="multiple of 32.*80"):
+        KVStore(StoreShape(1, 1, 80, 16, "Q8_0", 1), 64)
+
+
+def _fill(store, rng, n):
+    s = store.shape
+    ks, vs = [], []
+    for layer in range(s.n_layers):
+        k = torch.from_numpy(_values(rng, (s.n_kv_heads, n, s.head_dim)))
+        v = torch.from_numpy(_values(rng, (s.n_kv_heads, n, s.head_dim)))
+        store.write(layer, k[:, : n // 2], v[:, : n // 2])
+        store.write(layer, k[:, n // 2 :], v[:, n // 2 :])
+        ks.append(k)
+        vs.append(v)
+    return ks, vs
+
+
+@pytest.mark.parametrize("kv_type", list(KV_TYPES))
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_store_reads_back_what_it_wrote(kv_type, tier, tmp_path):
+    shape = StoreShape(2, 2, 64, 16, kv_type, 1)
+    store = KVStore(shape, 300, tier_dir=tmp_path / "tier" if tier == "disk" else None)
+    ks, vs = _fill(store, np.random.default_rng(1), 250)
+    for layer in range(2):
+        k, v = store.token_range(layer, 10, 240)
+        want_k = from_storage(to_storage(ks[layer][:, 10:240], kv_type), kv_type)
+        torch.testing.assert_close(k, want_k, rtol=0, atol=0)
+        rows_k, _ = store.row_range(layer, 0, 250)
+        assert rows_k.shape == (2, 250, row_elems(kv_type, 64))
+        np.testing.assert_array_equal(rows_k, to_storage(ks[layer], kv_type))
+        assert torch.equal(v, from_storage(to_storage(vs[layer][:, 10:240], kv_type), kv_type))
+    assert store.nbytes_used() == 250 * 2 * 2 * 2 * kv_row_bytes(kv_type, 64)
+    if tier == "disk":
+        assert store.mapped and not any((tmp_path / "tier").iterdir())  # unlinked at once
+
+
+def test_decode_attention_over_the_disk_tier_equals_ram(tmp_path):
+    shape = StoreShape(1, 2, 128, 16, "Q4_0", 1)
+    ram, disk = KVStore(shape, 512), KVStore(shape, 512, tier_dir=tmp_path)
+    for s in (ram, disk):
+        _fill(s, np.random.default_rng(4), 400)
+    q = np.random.default_rng(5).standard_normal((8, 128)).astype(np.float32)
+    blocks = np.array([[0, 3, 7, 24]], np.int32)
+    a = kernels.attend_layer(ram.kernel_views(0)[0], q, blocks, 400, 0.1)
+    b = kernels.attend_layer(disk.kernel_views(0)[0], q, blocks, 400, 0.1)
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+def test_a_disk_tier_that_does_not_fit_is_refused_in_one_line(tmp_path, monkeypatch):
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(KtlongError, match="disk tier needs .* GB") as e:
+        KVStore(StoreShape(2, 2, 64, 16, "Q8_0", 1), 4096, tier_dir=tmp_path)
+    assert "free disk space" in e.value.hint
+    assert not any(tmp_path.iterdir())  # nothing left behind
+
+
+def test_a_killed_process_leaves_no_tier_file(tmp_path):
+    """The tier's file has no name from the moment it is mapped: kill -9 leaves nothing that a
+    later run could read as a half-written tier."""
+    import subprocess
+    import sys
+    code = ("import sys, time; from pathlib import Path; "
+            "from ktlong.kvstore import KVStore, StoreShape; "
+            "s = KVStore(StoreShape(2, 2, 64, 16, 'Q8_0', 1), 4096, tier_dir=Path(sys.argv[1])); "
+            "print('ready', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        p.kill()
+        p.wait()
+    assert list(tmp_path.iterdir()) == []
