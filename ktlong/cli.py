@@ -468,9 +468,59 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                  quest: Annotated[bool, typer.Option(
                      "--quest", help="Score blocks by Quest's min/max bound (2 anchors, the "
                                      "recall profile) instead of one anchor (default).")] = False,
+                 kv_type: Annotated[str, typer.Option(
+                     help="KV formats, comma-separated: BF16, FP16, Q8_0, Q4_0 (each timed "
+                          "in the same rounds).")] = "BF16",
+                 kv_tier: Annotated[str, typer.Option(
+                     help="With --shape: ram, or disk (the KV in a file under cache_dir, "
+                          "memory-mapped).")] = "ram",
+                 shape: Annotated[str | None, typer.Option(
+                     show_default=False,
+                     help="Decode a whole random model at real widths (8b) over a synthetic KV "
+                          "cache of each --contexts length instead of one layer's attention.")]
+                 = None,
+                 layers: Annotated[int, typer.Option(min=1, help="Layers of the --shape model.")]
+                 = 2,
+                 weights: Annotated[str, typer.Option(
+                     help="Weights of the --shape model (as bench e2e).")] = "q4_k_m",
+                 steps: Annotated[int, typer.Option(
+                     min=2, help="With --shape: tokens decoded per run.")] = 16,
+                 runs: Annotated[int, typer.Option(
+                     min=1, help="With --shape: decode runs (the median is reported).")] = 3,
                  plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
-    """Sparse decode-attention speed against context length (kernels only, no model)."""
+    """Sparse decode speed against context length: one layer's attention (kernels only), or a
+    whole model over a synthetic KV cache (--shape)."""
     lengths = _lengths(contexts)
+    kv_types = [t.strip().upper() for t in kv_type.split(",") if t.strip()]
+    bad = [t for t in kv_types if t not in ("BF16", "FP16", "Q8_0", "Q4_0")]
+    if bad or not kv_types:
+        raise KtlongError(f"--kv-type {kv_type!r}: choose from BF16, FP16, Q8_0, Q4_0")
+    if kv_tier not in ("ram", "disk"):
+        raise KtlongError(f"--kv-tier {kv_tier!r}: choose ram or disk")
+    if shape is not None:
+        from ktlong.bench import decodemodel
+        from ktlong.bench.genmodel import SHAPES, WEIGHTS
+
+        if shape not in SHAPES or weights not in WEIGHTS:
+            raise KtlongError(f"--shape {shape} --weights {weights}: choose a shape from "
+                              f"{list(SHAPES)} and weights from {', '.join(WEIGHTS)}")
+        cache = resolve(None).settings.cache_dir
+        data = decodemodel.run(lengths, kv_types, kv_tier, steps, runs, threads,
+                               (shape, layers, weights), cache,
+                               lambda m: print(m, file=sys.stderr, flush=True))
+        data["command"] = (f"ktlong bench decode --shape {shape} --layers {layers} --weights "
+                           f"{weights} --contexts {contexts} --kv-type {','.join(kv_types)} "
+                           f"--kv-tier {kv_tier} --steps {steps} --runs {runs}"
+                           f"{f' -t {threads}' if threads else ''}")
+        if as_json:
+            import json
+
+            print(json.dumps(data))
+        else:
+            decodemodel.print_table(data)
+        return
+    if kv_tier != "ram":
+        raise KtlongError("--kv-tier disk needs --shape (the kernel bench keeps its KV in RAM)")
     plot_file = _plot_file(plot)
     from ktlong.bench import decode
 

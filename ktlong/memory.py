@@ -70,6 +70,11 @@ def kv_row_bytes(kv_type: str, head_dim: int) -> int:
     return head_dim * (4 if kv_type == "FP32" else 2)
 
 
+def kv_types_for(spec: Any, kv_types: Sequence[str] = SHOWN_KV_TYPES) -> list[str]:
+    """Those of `kv_types` the model's head_dim allows: Q8_0 and Q4_0 need a multiple of 32."""
+    return [t for t in kv_types if t not in ("Q8_0", "Q4_0") or spec.head_dim % 32 == 0]
+
+
 def kv_bytes_per_token(spec: Any, kv_type: str) -> int:
     """K and V of every layer: 2 * layers * kv_heads * bytes per head row."""
     return 2 * spec.n_layers * spec.n_kv_heads * kv_row_bytes(kv_type, spec.head_dim)
@@ -209,7 +214,7 @@ def choose(spec: Any, free_dram: int, free_disk: int | None, kv_types: Sequence[
     as Q4_0) when it reaches further than any RAM option; else the longest RAM option. With one
     `kv_types` (the user's --kv-type), only the tier and the length are chosen."""
     fixed = bool(kv_types)
-    types = [t.upper() for t in kv_types] if fixed else list(SHOWN_KV_TYPES)
+    types = [t.upper() for t in kv_types] if fixed else kv_types_for(spec)
     full = full_context(spec)
     ram = {t: recommend_max_seq_len(spec, t, free_dram, weights_in_dram) for t in types}
     for t in types:
@@ -436,10 +441,14 @@ def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
            disk_folder: Path | str | None = None) -> dict[str, Any]:
     """Everything memcheck shows, as plain data (also its --json output).
 
-    `kv_type` None compares BF16, Q8_0 and Q4_0; a type (the user's --kv-type) narrows the table
-    and the recommendation to it. `free_disk` None leaves the disk tier out (unknown).
+    `kv_type` None compares BF16, Q8_0 and Q4_0 (those the head_dim allows); a type (the user's
+    --kv-type) narrows the table and the recommendation to it. `free_disk` None leaves the disk
+    tier out (unknown).
     """
-    types = [kv_type.upper()] if kv_type else list(SHOWN_KV_TYPES)
+    types = [kv_type.upper()] if kv_type else kv_types_for(spec)
+    if not kv_types_for(spec, types):
+        raise KtlongError(f"kv_type {types[0]} needs a head_dim that is a multiple of 32; this "
+                          f"model's is {spec.head_dim}", hint="use kv_type BF16 (--kv-type BF16)")
     gpu = free_gpu is not None
     rows = [r for t in types for r in length_rows(spec, t, free_dram, free_gpu, free_disk,
                                                    settings)]

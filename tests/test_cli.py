@@ -105,7 +105,7 @@ def test_memcheck_reference_shape_says_so() -> None:
     r = run("memcheck")
     assert r.exit_code == 0, r.output
     assert "no --model given" in r.stdout and "reference shape" in r.stdout
-    assert "17.2 GB" in r.stdout and "recommended max_seq_len" in r.stdout
+    assert "17.2 GB" in r.stdout and "recommended: max_seq_len" in r.stdout
 
 
 def test_memcheck_model_json(shape_dir: Callable[..., Path],
@@ -116,7 +116,9 @@ def test_memcheck_model_json(shape_dir: Callable[..., Path],
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["model"] == str(model) and data["kv_type"] == "FP16"
-    assert data["kv_bytes_per_token"] == 131072 and data["free_dram_bytes"] == 100 * 10**9
+    assert data["kv_types"] == ["FP16"]  # --kv-type narrows the table to it
+    assert data["kv_bytes_per_token"] == {"FP16": 131072}
+    assert data["free_dram_bytes"] == 100 * 10**9
     rows = {row["label"]: row for row in data["rows"]}
     assert set(rows) == {"4K", "32K", "64K", "128K", "256K (model max)", "512K", "1M"}
     assert rows["128K"]["kv_bytes"] == 131072 * 131072
@@ -125,13 +127,15 @@ def test_memcheck_model_json(shape_dir: Callable[..., Path],
         memory.REFERENCE.__class__(n_layers=32, n_kv_heads=8, head_dim=128,
                                    weights_bytes=data["weights_bytes"], max_positions=262144),
         "FP16", 100 * 10**9)
+    assert data["recommended"]["kv_type"] == "FP16" and data["recommended"]["kv_tier"] == "RAM"
     assert data["written"] is None
 
 
 def test_memcheck_text_table_for_a_model(shape_dir: Callable[..., Path]) -> None:
     r = run("memcheck", "--model", str(shape_dir()), "--kv-type", "FP16")
     assert r.exit_code == 0, r.output
-    assert "131,072 bytes per token" in r.stdout and "17.2 GB" in r.stdout
+    assert "KV bytes per token: FP16 131,072" in r.stdout and "17.2 GB" in r.stdout
+    assert "Q8_0" not in r.stdout.split("KV bytes per token")[1].splitlines()[0]
     assert "256K*" in r.stdout and "reference" not in r.stdout
 
 
@@ -155,41 +159,111 @@ def test_memcheck_gguf_reads_metadata_only(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["arch"] == "qwen2" and data["max_positions"] == 32768
-    assert data["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2  # BF16, head_dim 3584 / 28
-    assert [row["label"] for row in data["rows"]][1] == "32K (model max)"
+    assert data["kv_bytes_per_token"]["BF16"] == 2 * 28 * 4 * 128 * 2  # head_dim 3584 / 28
+    assert data["kv_bytes_per_token"]["Q4_0"] == 2 * 28 * 4 * 72
+    assert [row["label"] for row in data["rows"]][3:6] == ["32K (model max)"] * 3
     (tmp_path / "notes.txt").write_text("hello")
     r = run("memcheck", "--model", str(tmp_path / "notes.txt"))
     assert r.exit_code == 2 and "is not a model" in r.stderr
 
 
-def test_memcheck_write_edits_only_that_line(ktlong_home: Path, shape_dir: Callable[..., Path],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memcheck_write_edits_only_those_lines(ktlong_home: Path, shape_dir: Callable[..., Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "free_dram_bytes", lambda: 40 * 10**9)
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda folder: 10**12)
     assert run("inspect", "config").exit_code == 0  # first run writes config.yaml
     path = ktlong_home / "config.yaml"
     text = path.read_text().replace("top_k: 0", "top_k: 5  # my choice")
+    text = text.replace("kv_type: BF16", "kv_type: Q4_0  # was BF16")
     path.write_text(text)
     r = run("memcheck", "--model", str(shape_dir()), "--write", "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     rec = data["recommended_max_seq_len"]
-    assert data["written"] == str(path) and rec > 0
+    # 256K of BF16 KV (34.4 GB) + 10% + 2 GiB fits in 40 GB: the full context, in RAM
+    assert data["recommended"] == {"max_seq_len": 262144, "kv_type": "BF16", "kv_tier": "RAM",
+                                   "why": data["recommended"]["why"]} and rec == 262144
+    assert data["written"] == str(path)
     new = path.read_text()
     assert yaml.safe_load(new)["max_seq_len"] == rec and yaml.safe_load(new)["top_k"] == 5
     old_lines, new_lines = text.splitlines(), new.splitlines()
     changed = [(a, b) for a, b in zip(old_lines, new_lines, strict=True) if a != b]
     assert changed == [(next(x for x in old_lines if x.startswith("max_seq_len:")),
-                        f"max_seq_len: {rec}")]
+                        f"max_seq_len: {rec}"),
+                       ("kv_type: Q4_0  # was BF16", "kv_type: BF16  # was BF16"),
+                       ("kv_tier: AUTO", "kv_tier: RAM")]
+
+
+def test_memcheck_writes_the_disk_tier_when_ram_is_short(ktlong_home: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference 8B (BF16 weights, 16.1 GB, 128K) with 20 GB free: 1.79 GB left for the KV,
+    Q4_0 (40,550 bytes a token with the 10%) reaches 43K in RAM; with the KV on disk Q8_0 holds
+    128K (a 9.13 GB file, 19.4 GB of RAM) when the disk has room, else Q4_0 (4.83 GB)."""
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 20 * 10**9)
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda folder: 60 * 10**9)
+    r = run("memcheck", "--write")
+    assert r.exit_code == 0, r.output
+    assert ("recommended: max_seq_len 131,072, kv_type Q8_0, kv_tier DISK (in free RAM at most "
+            "43K tokens fit (Q4_0); with the KV on disk Q8_0 reaches the full context (128K))"
+            in r.stdout)
+    assert "longest context in free RAM: BF16 12K, Q8_0 22K, Q4_0 43K" in r.stdout
+    # BF16 on disk: its 2.18 GB decode step does not fit beside the weights
+    assert "longest with the KV on disk: BF16 13K, Q8_0 128K, Q4_0 128K" in r.stdout
+    cfg = yaml.safe_load((ktlong_home / "config.yaml").read_text())
+    assert (cfg["max_seq_len"], cfg["kv_type"], cfg["kv_tier"]) == (131072, "Q8_0", "DISK")
+    lines = [line.split() for line in r.stdout.splitlines()]
+    i = next(n for n, words in enumerate(lines) if words and words[0] == "128K*")
+    assert [w[-1] for w in lines[i : i + 3]] == ["no", "disk", "disk"]  # BF16, Q8_0, Q4_0
+    assert lines[i][2:4] == ["BF16", "17.2"] and lines[i + 1][0:2] == ["Q8_0", "9.13"]
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda folder: 8 * 10**9)
+    r = run("memcheck", "--write", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["recommended"]["kv_type"] == "Q4_0" and data["free_disk_bytes"] == 8 * 10**9
+    assert data["longest"]["Q8_0"]["DISK"] < 131072 == data["longest"]["Q4_0"]["DISK"]
+    cfg = yaml.safe_load((ktlong_home / "config.yaml").read_text())
+    assert (cfg["max_seq_len"], cfg["kv_type"], cfg["kv_tier"]) == (131072, "Q4_0", "DISK")
+    # --kv-type is kept: only the tier and the length are chosen
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda folder: 60 * 10**9)
+    r = run("memcheck", "--kv-type", "bf16", "--json")
+    data = json.loads(r.stdout)
+    assert data["kv_types"] == ["BF16"] and data["written"] is None
+    assert data["recommended"] == {  # 12K in RAM; on disk the 2.18 GB decode step limits it
+        "max_seq_len": 13312, "kv_type": "BF16", "kv_tier": "DISK",
+        "why": "in free RAM at most 12K tokens fit (BF16); with the KV on disk BF16 reaches the "
+               "most (13K)"}
 
 
 def test_memcheck_write_refuses_when_nothing_fits(ktlong_home: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory, "free_dram_bytes", lambda: 10**9)
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda folder: 10**12)
     assert run("inspect", "config").exit_code == 0
     before = (ktlong_home / "config.yaml").read_text()
-    r = run("memcheck", "--write")
-    assert r.exit_code == 2 and "no context length fits" in r.stderr
+    r = run("memcheck", "--write")  # the weights alone (16.1 GB) do not fit, whatever the tier
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 2
+    assert r.stderr.startswith("error: no context length fits in free RAM or on free disk")
     assert (ktlong_home / "config.yaml").read_text() == before
+
+
+def test_demo_refuses_a_disk_tier_the_disk_cannot_hold(ktlong_home: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With kv_tier DISK the preflight checks the disk for the tier file (max_seq_len of KV:
+    the demo model's 1,024 bytes a token x 1M = 1.07 GB, + 1 GiB kept free), not RAM."""
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 10**12)
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda folder: 2 * 10**9)
+    r = run("chat", "--demo", "--demo-tokens", "64K", "--max-seq-len", "1M", "--set",
+            "kv_tier=DISK", "-q", "hi")
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 2
+    assert r.stderr.startswith("error: --demo-tokens 65,536: the KV disk tier needs 1.07 GB in "
+                               f"{ktlong_home / 'cache' / 'tier'} for max_seq_len 1,048,576")
+    assert "hint: lower max_seq_len to 883K or less" in r.stderr  # (2 GB - 1 GiB) / 1,024
+    assert not list((ktlong_home / "demo").glob("document-*"))
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda folder: 3 * 10**9)  # room: no refusal
+    from ktlong import demo
+
+    line = demo.cost(65536, "BF16", settings=memory.Settings(kv_tier="DISK", max_seq_len=1 << 20))
+    assert line.startswith("67.1 MB of KV cache on disk (kv_tier DISK)")
 
 
 # --- inspect config -----------------------------------------------------------------------------

@@ -76,7 +76,10 @@ def test_memcheck_and_inspect_model_work_without_weights(tmp_path: Path) -> None
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["weights_estimated"] is True and data["weights_bytes"] > 0
-    assert data["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2
+    assert data["kv_bytes_per_token"] == {"BF16": 2 * 2 * 2 * 16 * 2}  # no Q8_0/Q4_0: head_dim 16
+    assert data["recommended"]["kv_type"] == "BF16"
+    one_error(run("memcheck", "--model", str(folder), "--kv-type", "Q4_0"),
+              "kv_type Q4_0 needs a head_dim that is a multiple of 32; this model's is 16")
     r = run("memcheck", "--model", str(folder))
     assert r.exit_code == 0, r.output
     assert "estimate from config.json: the folder has no weight files" in r.stdout

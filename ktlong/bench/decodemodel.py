@@ -1,0 +1,159 @@
+"""`ktlong bench decode --shape 8b`: a whole model's decode over a synthetic KV cache.
+
+No prefill: each KV type's store is filled with random rows (every layer, `context` tokens: at 1M
+tokens and 32 layers that is 38 GB of Q4_0, which the disk tier writes to its file), anchors are
+built from them by the same kernel a prefill uses, and the model then decodes over that store with
+the default profile (one token re-fed, then `steps` tokens, `runs` times from the same point).
+Weights are the random GGUF of `ktlong bench e2e --shape` (ktlong.bench.genmodel). Each KV type
+runs in a fresh process, so its memory figures are its own: RssAnon (anonymous memory: what the
+file mappings, weights and a disk-tier KV, leave out) and RssFile after the decode, and the bytes
+the process read from the disk per decoded token (/proc/self/io read_bytes: page-cache misses).
+The random values make attention nearly uniform: the blocks chosen each step are as scattered as
+they can be, so the disk tier's page cache helps little.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+FILL_TOKENS = 16384  # tokens per layer filled at a time
+SCALE = {"Q8_0": 1 / 64, "Q4_0": 1 / 4}  # synthetic block scales: values within +-2
+
+
+def _proc_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _read_bytes() -> int:
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _rows(store: Any, n: int, seed: int) -> Any:
+    """n random rows [Hkv, n, row] in the store's format (a 16-bit or quantised one)."""
+    import numpy as np
+
+    from ktlong.bench.decode import _fill
+    from ktlong.kernels import kvquant
+
+    s = store.shape
+    raw = np.empty((s.n_kv_heads, n, store.row * store.k_tail[0].itemsize), np.uint8)
+    _fill(raw.reshape(-1).view(np.uint32), seed)  # random bf16 pairs / random codes
+    if s.kv_type in SCALE:
+        nc = kvquant.code_bytes(store.kv_kind, s.head_dim)
+        scale = np.frombuffer(np.float16(SCALE[s.kv_type]).tobytes(), np.uint8)
+        raw[..., nc : nc + 2 * (s.head_dim // 32)] = np.tile(scale, s.head_dim // 32)
+    return raw.view(store.k_tail[0].dtype)
+
+
+def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: int,
+           threads: int, cache_dir: str) -> dict[str, Any]:
+    import dataclasses
+
+    from ktlong.config import resolve_settings
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+    from ktlong.warmup import work_clock
+
+    lm = dataclasses.replace(load_model(model, device="CPU"), eos_ids=())
+    st = resolve_settings("default", {
+        "max_seq_len": context + steps + 64, "threads_num": threads, "kv_type": kv_type,
+        "kv_tier": tier.upper(), "cache_dir": cache_dir}, config_file=False).settings
+    session = Session(lm, st)  # compiles (or loads) its kernels here
+    store = session.store
+    t0 = time.perf_counter()
+    for layer in range(store.shape.n_layers):
+        for c0 in range(0, context, FILL_TOKENS):
+            n = min(FILL_TOKENS, context - c0)
+            seed = 2 * (layer * (context // FILL_TOKENS + 1) + c0 // FILL_TOKENS)
+            store.write_rows(layer, _rows(store, n, seed), _rows(store, n, seed + 1))
+    fill_s = time.perf_counter() - t0
+    session.tokens = [0] * context
+    t0 = time.perf_counter()
+    session.policy.complete_anchors()
+    anchors_s = time.perf_counter() - t0
+    windows, io0 = [], _read_bytes()
+    decoded = 0
+    for _ in range(runs):
+        session.truncate(context)
+        session.prefill([1])  # one token over the synthetic context: the decode path
+        stamps = [work_clock()]
+        for _step in session.generate(Sampling(max_new_tokens=steps)):
+            stamps.append(work_clock())
+        windows.append([len(stamps) - 1, stamps[-1] - stamps[0]])
+        decoded += len(stamps)
+    rates = sorted(n / s for n, s in windows)
+    return {"kv_type": kv_type, "kv_tier": tier, "context": context, "layers": lm.spec.n_layers,
+            "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "fill_s": fill_s,
+            "anchors_s": anchors_s, "kv_bytes": store.nbytes_used(),
+            "disk_read_per_token": (_read_bytes() - io0) / max(decoded, 1),
+            "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6,
+            "threads": session.threads}
+
+
+def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: int,
+        threads: int, gen: tuple[str, int, str], cache_dir: str, log: Any) -> dict[str, Any]:
+    from ktlong.bench import genmodel
+    from ktlong.bench import plot as plotting
+    from ktlong.config import ktlong_home
+
+    name, layers, weights = gen
+    path, origin = genmodel.build(ktlong_home() / "bench-models", name, layers, weights, log)
+    rows = []
+    for n in contexts:
+        for kv_type in kv_types:  # one fresh process each: its memory figures are its own
+            log(f"{kv_type} KV, {tier} tier, {n:,} tokens ...")
+            args = json.dumps([str(path), kv_type, tier, n, steps, runs, threads, cache_dir])
+            proc = subprocess.run([sys.executable, "-m", "ktlong.bench.decodemodel", args],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"the {kv_type} worker failed: {tail}")
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    for r in rows:  # speed over the first kv_type's at the same context
+        base = next(b for b in rows if b["context"] == r["context"])
+        r["vs_first_type"] = r["tok_s"] / base["tok_s"]
+    return {"bench": "decode-model", "machine": plotting.machine(),
+            "model": f"random {name} widths, {layers} layers, {weights}: {origin}",
+            "weights_bytes": path.stat().st_size, "kv_tier": tier, "steps": steps,
+            "runs": runs, "rows": rows}
+
+
+def print_table(data: dict[str, Any]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"decode over a synthetic KV cache: {data['model']}, "
+                        f"{data['kv_tier']} tier, default profile, median of {data['runs']} runs "
+                        f"of {data['steps']} tokens", box=box.SIMPLE_HEAD)
+    for col in ("context", "KV", "tok/s", "x first", "KV\nGB", "disk\nMB/tok",
+                "anon\nGB", "file\nGB", "fill\ns", "anch.\ns"):
+        table.add_column(col, justify="right")
+    for r in data["rows"]:
+        table.add_row(f"{r['context']:,}", r["kv_type"], f"{r['tok_s']:.2f}",
+                      f"{r['vs_first_type']:.2f}x", f"{r['kv_bytes'] / 1e9:.1f}",
+                      f"{r['disk_read_per_token'] / 1e6:.1f}", f"{r['rss_anon_gb']:.2f}",
+                      f"{r['rss_file_gb']:.2f}", f"{r['fill_s']:.0f}", f"{r['anchors_s']:.0f}")
+    console = Console()
+    console.print(table)
+    console.print("x first: tok/s over the first KV type's; disk MB/tok: bytes read from the "
+                  "disk per decoded token; anon / file GB: RssAnon / RssFile after the decode; "
+                  "fill, anch.: seconds to write the synthetic KV and build its anchors")
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(*json.loads(sys.argv[1]))))
