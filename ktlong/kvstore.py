@@ -171,12 +171,21 @@ class TierFile:
         self.mmap.madvise(mmap.MADV_RANDOM)  # decode reads scattered blocks
         self.offset = 0
 
-    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """The next `shape` array of the file (page-aligned)."""
+    def array(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, int]:
+        """The next `shape` array of the file (page-aligned), and its offset in the file."""
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        a = np.frombuffer(self.mmap, dtype, int(np.prod(shape)), self.offset).reshape(shape)
+        off = self.offset
+        a = np.frombuffer(self.mmap, dtype, int(np.prod(shape)), off).reshape(shape)
         self.offset += -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
-        return a
+        return a, off
+
+    def prefetch(self, runs: list[tuple[int, int]]) -> None:
+        """Start reading the byte runs (offset, length) into the page cache, all at once (the
+        kernel queues them; a page fault would read one page at a time, waiting for each)."""
+        page = mmap.PAGESIZE
+        for off, n in runs:
+            a = off // page * page
+            self.mmap.madvise(mmap.MADV_WILLNEED, a, off + n - a)
 
 
 class KVStore:
@@ -221,10 +230,13 @@ class KVStore:
         self.tier: TierFile | None = None
         if tier_dir is not None:
             self.tier = TierFile(tier_dir, 2 * L * self.tail_bytes(tail_shape, dtype))
-            self.k_tail, self.v_tail = [], []
+            self.k_tail, self.v_tail, self._tier_off = [], [], []
             for _ in range(L):
-                self.k_tail.append(self.tier.array(tail_shape, dtype))
-                self.v_tail.append(self.tier.array(tail_shape, dtype))
+                (k, ko), (v, vo) = self.tier.array(tail_shape, dtype), self.tier.array(
+                    tail_shape, dtype)
+                self.k_tail.append(k)
+                self.v_tail.append(v)
+                self._tier_off.append((ko, vo))
         else:
             self.k_tail = [np.zeros(tail_shape, dtype) for _ in range(L)]
             self.v_tail = [np.zeros(tail_shape, dtype) for _ in range(L)]
@@ -297,6 +309,27 @@ class KVStore:
         for layer in range(self.shape.n_layers):
             self.lengths[layer] = min(self.lengths[layer], n_tokens)
             self.n_anchored[layer] = min(self.n_anchored[layer], full)
+
+    def prefetch(self, layer: int, blocks: np.ndarray) -> None:
+        """Ask the disk tier for the head-blocks a step is about to read, `blocks` [S, n]
+        ascending (S 1: every KV head; else one row per KV head); neighbours are merged into one
+        run. Nothing to do for a RAM tail."""
+        if self.tier is None:
+            return
+        H = self.shape.n_kv_heads
+        nb_tail = self.k_tail[layer].shape[1]
+        blk = self.block_bytes // (2 * H)  # one head-block of K (or V)
+        runs = []
+        for j in range(H):
+            ids = blocks[0 if blocks.shape[0] == 1 else j].astype(np.int64) - self.nb_base
+            ids = ids[ids >= 0]
+            if ids.size == 0:
+                continue
+            cut = np.flatnonzero(np.diff(ids) != 1) + 1  # runs of consecutive blocks
+            for run in np.split(ids, cut):
+                for base in self._tier_off[layer]:  # K, V
+                    runs.append((base + (j * nb_tail + int(run[0])) * blk, len(run) * blk))
+        self.tier.prefetch(runs)
 
     # --- a memory-mapped base: bounded residency ---------------------------------------------
     @property

@@ -143,6 +143,13 @@ class SelectionPolicy:
         if step.candidates is None:
             self.commit(step)
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
+        if self.store.tier is not None:  # the KV is on disk: choose, ask for it, then attend
+            chosen = kernels.select_blocks(step.q, self.store.anchors[step.layer],
+                                           step.candidates, step.k,
+                                           self.s.anchor_type == "QUEST", self.shared)
+            self.store.prefetch(step.layer, chosen)
+            self.commit(step, chosen)
+            return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
         out, lse, chosen = kernels.select_attend_layer(
             kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
             self.shared, step.fixed(end), step.n_tokens, scale)

@@ -144,3 +144,44 @@ def test_a_killed_process_leaves_no_tier_file(tmp_path):
         p.kill()
         p.wait()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_prefetch_asks_for_the_chosen_head_blocks_in_merged_runs(tmp_path, monkeypatch):
+    shape = StoreShape(2, 2, 64, 16, "Q8_0", 1)
+    store = KVStore(shape, 640, tier_dir=tmp_path)
+    asked = []
+    monkeypatch.setattr(store.tier, "prefetch", lambda runs: asked.extend(runs))
+    store.prefetch(1, np.array([[3, 4, 5, 9]], np.int32))
+    blk = 16 * kv_row_bytes("Q8_0", 64)  # one head-block of K
+    nb_tail = store.k_tail[1].shape[1]
+    ko, vo = store._tier_off[1]
+    want = [(base + (j * nb_tail + b) * blk, n * blk)
+            for j in range(2) for b, n in ((3, 3), (9, 1)) for base in (ko, vo)]
+    assert sorted(asked) == sorted(want)
+    # the runs are where the kernels read: K of head 1, block 9
+    assert ko + (nb_tail + 9) * blk == (store.k_tail[1][1, 9].ctypes.data
+                                        - store.k_tail[0].ctypes.data + store._tier_off[0][0])
+    ram = KVStore(shape, 640)
+    ram.prefetch(0, np.array([[1]], np.int32))  # a RAM tail: nothing to do, no error
+
+
+def test_a_chat_on_the_disk_tier_answers_as_in_ram(tmp_path):
+    """The same document and question, kv_tier RAM and DISK: the same tokens (the disk tier
+    chooses, prefetches and attends in three calls instead of one)."""
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+    from ktlong.tinymodel import filler_text
+
+    from .models import hf_model, settings
+
+    lm = load_model(hf_model("llama", head_dim=32), device="CPU", dtype="float32")
+    ids = lm.tokenizer(filler_text(700, seed=3))["input_ids"][:700]
+    answers = []
+    for tier in ("RAM", "DISK"):
+        st = settings(kv_type="Q4_0", kv_tier=tier, cache_dir=str(tmp_path), max_seq_len=1024)
+        s = Session(lm, st)
+        assert (s.store.tier is not None) == (tier == "DISK")
+        s.prefill(ids)
+        answers.append([x.token_id for x in s.generate(Sampling(max_new_tokens=10))])
+        assert s.policy.attended_share() < 0.6  # the steps did choose blocks
+    assert answers[0] == answers[1]

@@ -8,10 +8,10 @@ document is prefilled (chunked; exact, windowed or sparse as the profile's `pref
 question is appended to it.
 
 Selection settings do not change the KV cache, so the document is prefilled once per distinct
-prefill (`prefill` and the keys of its mode) and its K, V copied into a fresh store per profile
-(block_size and anchor_num set each profile's layout). Each profile then sees what a chat under it
-would see: its anchors come from the vote of the document's last queries (DYNAMIC), its
-preselection from the question's; answers are greedy.
+prefill (`prefill` and the keys of its mode, and `kv_type`) and its K, V copied into a fresh store
+per profile (block_size and anchor_num set each profile's layout). Each profile then sees what a
+chat under it would see: its anchors come from the vote of the document's last queries (DYNAMIC),
+its preselection from the question's; answers are greedy.
 """
 from __future__ import annotations
 
@@ -49,16 +49,18 @@ def depths_for(i: int, n: int) -> dict[str, float]:
 
 
 PREFILL_KEYS = ("prefill", "prefill_window", "init_len", "prefill_vertical", "prefill_slash",
-                "prefill_patterns")
+                "prefill_patterns", "kv_type")
 
 
 def _prefill_key(st: Any) -> tuple[Any, ...]:
-    """What of a profile's settings changes the document's KV (`prefill` and its own keys)."""
+    """What of a profile's settings changes the document's KV (`prefill` and its own keys, and
+    the KV format: a prefill reads its own quantised past)."""
     if st.prefill == "WINDOW" and st.prefill_window:
-        return ("WINDOW", st.prefill_window, st.init_len)
+        return ("WINDOW", st.prefill_window, st.init_len, st.kv_type)
     if st.prefill == "MINFERENCE":
-        return ("MINFERENCE", st.prefill_vertical, st.prefill_slash, st.prefill_patterns)
-    return ("DENSE",)
+        return ("MINFERENCE", st.prefill_vertical, st.prefill_slash, st.prefill_patterns,
+                st.kv_type)
+    return ("DENSE", st.kv_type)
 
 
 def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
