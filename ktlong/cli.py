@@ -491,7 +491,7 @@ def bench_decode(contexts: Annotated[str, typer.Option(
     """Sparse decode speed against context length: one layer's attention (kernels only), or a
     whole model over a synthetic KV cache (--shape)."""
     lengths = _lengths(contexts)
-    kv_types = [t.strip().upper() for t in kv_type.split(",") if t.strip()]
+    kv_types = list(dict.fromkeys(t.strip().upper() for t in kv_type.split(",") if t.strip()))
     bad = [t for t in kv_types if t not in ("BF16", "FP16", "Q8_0", "Q4_0")]
     if bad or not kv_types:
         raise KtlongError(f"--kv-type {kv_type!r}: choose from BF16, FP16, Q8_0, Q4_0")
@@ -524,10 +524,11 @@ def bench_decode(contexts: Annotated[str, typer.Option(
     plot_file = _plot_file(plot)
     from ktlong.bench import decode
 
+    types = "" if kv_types == ["BF16"] else f" --kv-type {','.join(kv_types)}"
     command = (f"ktlong bench decode --contexts {contexts.replace(' ', '')} --repeats {repeats}"
-               f"{f' -t {threads}' if threads else ''}{' --quest' if quest else ''}")
+               f"{f' -t {threads}' if threads else ''}{' --quest' if quest else ''}{types}")
     decode.main(contexts=lengths, repeats=repeats, threads=threads, as_json=as_json,
-                quest=quest, plot_file=plot_file, command=command)
+                quest=quest, plot_file=plot_file, command=command, kv_types=kv_types)
 
 
 @bench_app.command("gemv")
@@ -680,6 +681,12 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                   help="Weights of the --shape model: q4_k_m, q8_0, q6_k or f16 (quantised by "
                        "llama.cpp's quantizer when llama-cpp-python is installed, else by "
                        "ktlong's).")] = "q4_k_m",
+              kv_type: Annotated[str, typer.Option(
+                  help="ktlong's KV format: BF16, FP16, FP32, Q8_0 or Q4_0 (llama.cpp's runtimes "
+                       "keep their own: F16, Q8_0 for llamacpp-q8kv).")] = "BF16",
+              kv_tier: Annotated[str, typer.Option(
+                  help="Where ktlong's KV lives: ram, or disk (a file under cache_dir, "
+                       "memory-mapped).")] = "ram",
               as_json: JsonOpt = False) -> None:
     """Prefill, decode and peak RSS: ktlong vs transformers and llama.cpp, on one random Llama,
     a random model at real widths (--shape), or your own (--model)."""
@@ -695,15 +702,22 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
     if shape is not None and model is not None:
         raise KtlongError("--shape and --model exclude each other",
                           hint="bench a random model at real widths, or your own, not both")
+    kv_type = kv_type.strip().upper()
+    if kv_type not in ("BF16", "FP16", "FP32", "Q8_0", "Q4_0"):
+        raise KtlongError(f"--kv-type {kv_type!r}: choose from BF16, FP16, FP32, Q8_0, Q4_0")
+    kv_tier = kv_tier.strip().lower()
+    if kv_tier not in ("ram", "disk"):
+        raise KtlongError(f"--kv-tier {kv_tier!r}: choose ram or disk")
     names = [r.strip() for r in runtimes.split(",") if r.strip()]
     source = (f" --model {model}" if model else "") + (
         f" --shape {shape} --layers {layers} --weights {weights}" if shape else "")
     command = (f"ktlong bench e2e{source} --contexts {contexts} --new-tokens {new_tokens} "
                f"--runtimes {','.join(names)}{f' --repeats {repeats}' if repeats > 1 else ''}"
-               f" --decode-runs {decode_runs}{f' --threads {threads}' if threads else ''}")
+               f" --decode-runs {decode_runs}{f' --threads {threads}' if threads else ''}"
+               f" --kv-type {kv_type} --kv-tier {kv_tier}")
     e2e.main(_lengths(contexts), new_tokens, threads, as_json, plot_file, names, repeats,
              command=command, decode_runs=decode_runs, model=model,
-             gen=(shape, layers, weights) if shape else None)
+             gen=(shape, layers, weights) if shape else None, kv_type=kv_type, kv_tier=kv_tier)
 
 
 @bench_app.command("plot")

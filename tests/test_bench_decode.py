@@ -69,3 +69,137 @@ def test_bench_decode_table_fits_80_columns(monkeypatch: pytest.MonkeyPatch,
     assert "…" not in out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "20,000" in out and "1,000" in out and "KV" in out
+
+
+ROW_BYTES = {"BF16": 256, "Q8_0": 136, "Q4_0": 72}  # one stored row of 128 channels
+
+
+def test_bench_decode_kv_types(monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]):
+    """--kv-type BF16,Q8_0,Q4_0: a row per kv_type and context, timed in the same rounds; the KV
+    bytes a step reads are in the ratio of the formats' row bytes (the anchors' bytes aside);
+    torch's dense paths only for BF16; vs_first_type against the first kv_type."""
+    monkeypatch.setattr(decode, "BANDWIDTH_BYTES", 8 << 20)
+    monkeypatch.setattr(decode, "FLUSH_BYTES", 1 << 20)
+    types = ["BF16", "Q8_0", "Q4_0"]
+    decode.main(contexts=[20000, 1000], repeats=1, threads=1, as_json=True, kv_types=types)
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_types"] == types
+    rows = data["rows"]
+    assert [(r["context"], r["kv_type"]) for r in rows] == [(n, t) for n in (1000, 20000)
+                                                            for t in types]
+    anchor_bytes = {1000: 0, 20000: ((20000 - 4096) // 128 - 1) * 8 * (128 + 4)}
+    for r in rows:
+        n, t = r["context"], r["kv_type"]
+        assert r["kv_row_bytes"] == ROW_BYTES[t]
+        assert r["attended_tokens"] == (1000 if n == 1000 else 128 + 96 * 128 + (20000 - 124 * 128))
+        assert r["kv_read_bytes"] == 2 * r["attended_tokens"] * 8 * ROW_BYTES[t] + anchor_bytes[n]
+        for key in ("sparse_ms", "dense_ms", "kv_read_gbps", "vs_first_type", "vs_first"):
+            assert isinstance(r[key], float) and r[key] > 0
+        assert r["kv_read_gbps"] == pytest.approx(r["kv_read_bytes"] / r["sparse_ms"] / 1e6)
+        if t == "BF16":
+            assert r["vs_first_type"] == 1.0
+            assert set(r["dense_paths_ms"]) == {"kernel", "torch_matmul", "torch_sdpa"}
+            assert r["speedup_vs_torch"] > 0
+        else:
+            assert r["dense_paths_ms"] == {"kernel": r["dense_ms"]} and r["dense_path"] == "kernel"
+            assert r["speedup_vs_torch"] is None
+    by = {(r["context"], r["kv_type"]): r for r in rows}
+    for n in (1000, 20000):  # 256 : 136 : 72 bytes a row, at the context the budget covers exactly
+        kv = {t: by[n, t]["kv_read_bytes"] - anchor_bytes[n] for t in types}
+        assert kv["BF16"] * 136 == kv["Q8_0"] * 256 and kv["BF16"] * 72 == kv["Q4_0"] * 256
+    assert by[1000, "Q4_0"]["kv_read_bytes"] * 256 == by[1000, "BF16"]["kv_read_bytes"] * 72
+
+
+def test_random_rows_are_valid_quantised_rows():
+    """The synthetic Q8_0 / Q4_0 rows (shared with --shape's store fill): random codes, every
+    block's float16 scale the fixed one, so every value is within +-2 and not all alike."""
+    import numpy as np
+    from ktlong.kernels import kvquant
+
+    for kind, scale in ((3, 1 / 64), (4, 1 / 4)):
+        raw = np.empty((2, 64, kvquant.row_bytes(kind, 128)), np.uint8)
+        assert decode.random_rows(raw, kind, 128, seed=5) is raw
+        nc = kvquant.code_bytes(kind, 128)
+        assert (raw[..., nc:nc + 8].copy().view(np.float16) == np.float16(scale)).all()
+        x = kvquant.decode_ref(raw, kind, 128)
+        assert np.abs(x).max() <= 2 and len(np.unique(x)) > 8
+    bf16 = np.empty((2, 64, 256), np.uint8)
+    decode.random_rows(bf16, 1, 128, seed=5)
+    words = np.empty(2 * 64 * 128 // 2, np.uint32)
+    decode._fill(words, 5)  # BF16: exactly today's fill
+    assert (bf16.reshape(-1).view(np.uint32) == words).all()
+
+
+def test_bench_decode_kv_types_table_fits_80_columns(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]):
+    """A row per context and kv_type, every figure whole in 80 columns at the widest values a
+    1M-token run gives; torch's speed-up only on BF16 rows."""
+    monkeypatch.setenv("COLUMNS", "80")
+    rows = [dict(context=n, kv_type=t, sparse_ms=12.34, select_ms=3.21,
+                 sparse_bf16_anchors_ms=13.45, dense_ms=1234.5,
+                 speedup_vs_torch=123.4 if t == "BF16" else None, kv_read_gbps=123.4,
+                 kv_vs_bandwidth=0.85, vs_first=12.34, vs_first_type=1.0 if t == "Q8_0" else 0.87)
+            for n in (16384, 1048576) for t in ("Q8_0", "BF16")]
+    decode.print_table({"threads": 64, "repeats": 5, "anchors": "quest", "bandwidth_gbps": 250.0,
+                        "kv_types": ["Q8_0", "BF16"], "rows": rows})
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    cells = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [c[:2] for c in cells] == [[f"{n:,}", t] for n in (16384, 1048576)
+                                      for t in ("Q8_0", "BF16")]
+    assert [c[-1] for c in cells[:2]] == ["1.00x", "0.87x"]
+    assert "123.4x" in cells[1] and not any(c.endswith("x") for c in cells[0][2:-1])
+    assert "time at 1,048,576 / time at 16,384" in out and "Q8_0 12.34x, BF16 12.34x" in out
+
+
+def test_bench_decode_unknown_kv_type_is_one_line():
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "decode", "--contexts", "1000", "--kv-type",
+                                 "BF16,Q5_0"])
+    assert r.exit_code == 2
+    assert r.output.count("\n") == 1 and "Q5_0" in r.output and "Q4_0" in r.output
+
+
+def test_decodemodel_worker_q4_0_on_disk(tmp_path):
+    """The --shape worker, tiny: a head_dim-32 model (Q4_0 needs d % 32 == 0) decodes over a
+    synthetic Q4_0 KV of ~600 tokens in the disk tier; the tier's file is gone afterwards."""
+    from ktlong.kernels import kvquant
+
+    from ktlong.bench import decodemodel
+    from ktlong.tinymodel import write_gguf
+
+    from .models import hf_model
+
+    folder = hf_model("llama", head_dim=32)  # 2 layers, 2 KV heads
+    gguf = write_gguf(folder, tmp_path / "m.gguf", "F32")
+    context, steps = 600, 3
+    r = decodemodel.worker(str(gguf), "Q4_0", "disk", context, steps, 1, 1, str(tmp_path))
+    assert r["kv_type"] == "Q4_0" and r["kv_tier"] == "disk" and r["layers"] == 2
+    assert r["tok_s"] > 0 and len(r["runs_tok_s"]) == 1
+    per_token = 2 * 2 * 2 * kvquant.row_bytes(4, 32)  # layers, KV heads, K and V, 20-byte rows
+    assert r["kv_bytes"] % per_token == 0
+    assert context < r["kv_bytes"] // per_token <= context + steps + 1
+    assert (tmp_path / "tier").is_dir()  # the disk tier was made there ...
+    assert list((tmp_path / "tier").iterdir()) == []  # ... and its file unlinked
+    assert r["rss_anon_gb"] > 0
+
+
+def test_bench_decode_plot_has_a_line_per_kv_type(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(context=n, kv_type=t, sparse_ms=s * f, dense_ms=d * f)
+            for n, s, d in ((16384, 0.9, 1.3), (1 << 20, 1.3, 84.0))
+            for t, f in (("BF16", 1.0), ("Q4_0", 0.5))]
+    data = {"bench": "decode", "command": "ktlong bench decode --kv-type BF16,Q4_0",
+            "machine": "Test CPU, 2 cores", "threads": 2, "model": decode.MODEL, "repeats": 1,
+            "bandwidth_gbps": 20.0, "anchors": "one", "kv_types": ["BF16", "Q4_0"], "rows": rows}
+    fig = decode.plot(data, tmp_path / "d.png")
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}
+    assert lines == {"sparse step, BF16 KV (1 anchor per block)": [0.9, 1.3],
+                     "sparse step, Q4_0 KV (1 anchor per block)": [0.45, 0.65],
+                     "dense (fastest exact path, BF16 KV)": [1.3, 84.0]}
+    assert "BF16, Q4_0 KV" in fig._suptitle.get_text()

@@ -70,7 +70,7 @@ def test_bench_e2e_baseline_is_read_after_the_warm_up(monkeypatch, tmp_path) -> 
     """The baseline is the worker's RSS once the runtime has run the tiny model: what it loads
     (code, compiled kernels, thread pools) is not charged to the benchmark model."""
     calls: list[str] = []
-    monkeypatch.setattr(e2e, "_warm", lambda runtime, tiny, ids, threads: calls.append(
+    monkeypatch.setattr(e2e, "_warm", lambda runtime, tiny, ids, threads, *kv: calls.append(
         f"warm {runtime} {tiny} {len(ids)}"))
     monkeypatch.setattr(e2e, "peak_rss", lambda reset=False: calls.append(f"rss {reset}") or 7)
     monkeypatch.setattr(e2e, "_run_ktlong", lambda *a: calls.append("run") or dict(
@@ -80,3 +80,45 @@ def test_bench_e2e_baseline_is_read_after_the_warm_up(monkeypatch, tmp_path) -> 
     row = e2e._worker("ktlong-default", "model", "model.gguf", str(ids), 2, 1, 1, "tiny")
     assert calls == ["warm ktlong-default tiny 600", "rss True", "run", "rss False"]
     assert row["baseline_rss_bytes"] == 7 and row["decode_tok_s"] == 2.0
+
+
+def test_bench_e2e_kv_type_and_tier_reach_ktlong(ktlong_home, capsys) -> None:
+    """--kv-type Q8_0 --kv-tier disk: ktlong's worker (a subprocess) keeps its KV as Q8_0 rows
+    in the disk tier's file (made under cache_dir/tier and unlinked), and the JSON says so."""
+    from ktlong.kernels import kvquant
+
+    shape = dict(TINY, head_dim=32)  # Q8_0 needs head_dim % 32 == 0
+    e2e.main([512], new_tokens=3, threads=1, as_json=True, runtimes=["ktlong-dense"],
+             shape=shape, decode_runs=1, kv_type="Q8_0", kv_tier="disk")
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_type"] == "Q8_0" and data["kv_tier"] == "disk"
+    (row,) = data["rows"]
+    assert row["status"] == "ok", row.get("note")
+    assert row["kv_type"] == "Q8_0" and row["kv_tier"] == "disk"
+    per_token = 2 * 2 * 2 * kvquant.row_bytes(3, 32)  # layers, KV heads, K and V: 36-byte rows
+    assert row["kv_bytes"] % per_token == 0 and 512 <= row["kv_bytes"] // per_token <= 512 + 3
+    tier = ktlong_home / "cache" / "tier"
+    assert tier.is_dir() and list(tier.iterdir()) == []
+
+
+def test_bench_e2e_cli_kv_options(monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(e2e, "main", lambda *a, **kw: calls.append((a, kw)))
+    runner = CliRunner()
+    r = runner.invoke(app, ["bench", "e2e", "--contexts", "1K", "--runtimes", "ktlong-default",
+                            "--kv-type", "q4_0", "--kv-tier", "disk"])
+    assert r.exit_code == 0, r.output
+    kw = calls[-1][1]
+    assert kw["kv_type"] == "Q4_0" and kw["kv_tier"] == "disk"
+    assert kw["command"].endswith(" --kv-type Q4_0 --kv-tier disk")
+    r = runner.invoke(app, ["bench", "e2e", "--contexts", "1K"])
+    assert calls[-1][1]["kv_type"] == "BF16" and calls[-1][1]["kv_tier"] == "ram"
+    assert "--kv-type BF16 --kv-tier ram" in calls[-1][1]["command"]
+    for bad in (["--kv-type", "Q5_0"], ["--kv-tier", "auto"]):
+        r = runner.invoke(app, ["bench", "e2e", "--contexts", "1K", *bad])
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and bad[1] in r.output
+    assert len(calls) == 2

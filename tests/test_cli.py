@@ -329,14 +329,18 @@ def test_bench_decode_passes_parsed_options(monkeypatch: pytest.MonkeyPatch) -> 
     r = run("bench", "decode", "--contexts", "16K, 65536,1M", "--repeats", "2", "-t", "1", "--json")
     assert r.exit_code == 0, r.output
     assert calls == [dict(contexts=[16384, 65536, 1048576], repeats=2, threads=1, as_json=True,
-                          quest=False, plot_file=None,
+                          quest=False, plot_file=None, kv_types=["BF16"],
                           command="ktlong bench decode --contexts 16K,65536,1M --repeats 2 -t 1")]
     r = run("bench", "decode", "--contexts", "1M", "--quest")
     assert r.exit_code == 0, r.output
     assert calls[-1]["quest"] is True and calls[-1]["contexts"] == [1048576]
+    r = run("bench", "decode", "--contexts", "16K", "--kv-type", "q8_0, BF16,Q8_0")
+    assert r.exit_code == 0, r.output
+    assert calls[-1]["kv_types"] == ["Q8_0", "BF16"]
+    assert calls[-1]["command"].endswith(" --kv-type Q8_0,BF16")
     r = run("bench", "decode", "--contexts", "16K,lots")
     assert r.exit_code == 2 and "--contexts '16K,lots'" in r.stderr
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_bench_prefill_passes_chunk_sizes_and_modes(monkeypatch: pytest.MonkeyPatch) -> None:

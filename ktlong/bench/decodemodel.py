@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 FILL_TOKENS = 16384  # tokens per layer filled at a time
-SCALE = {"Q8_0": 1 / 64, "Q4_0": 1 / 4}  # synthetic block scales: values within +-2
 
 
 def _proc_kb(key: str) -> int:
@@ -46,17 +45,11 @@ def _rows(store: Any, n: int, seed: int) -> Any:
     """n random rows [Hkv, n, row] in the store's format (a 16-bit or quantised one)."""
     import numpy as np
 
-    from ktlong.bench.decode import _fill
-    from ktlong.kernels import kvquant
+    from ktlong.bench.decode import random_rows
 
     s = store.shape
     raw = np.empty((s.n_kv_heads, n, store.row * store.k_tail[0].itemsize), np.uint8)
-    _fill(raw.reshape(-1).view(np.uint32), seed)  # random bf16 pairs / random codes
-    if s.kv_type in SCALE:
-        nc = kvquant.code_bytes(store.kv_kind, s.head_dim)
-        scale = np.frombuffer(np.float16(SCALE[s.kv_type]).tobytes(), np.uint8)
-        raw[..., nc : nc + 2 * (s.head_dim // 32)] = np.tile(scale, s.head_dim // 32)
-    return raw.view(store.k_tail[0].dtype)
+    return random_rows(raw, store.kv_kind, s.head_dim, seed).view(store.k_tail[0].dtype)
 
 
 def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: int,

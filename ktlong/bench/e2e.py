@@ -68,7 +68,7 @@ def _window(stamps: list[float]) -> list[float]:
 
 
 def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int,
-                runs: int) -> dict:
+                runs: int, kv_type: str = "BF16", kv_tier: str = "ram") -> dict:
     import dataclasses
 
     from ktlong.config import resolve_settings
@@ -79,7 +79,8 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
     lm = load_model(model, device="CPU")  # float32 activations, the checkpoint's own weights
     lm = dataclasses.replace(lm, eos_ids=())  # EOS is an ordinary token: always decode `new`
     st = resolve_settings(  # built-in defaults + the profile: config.yaml edits do not count
-        profile, {"max_seq_len": len(ids) + new + 16, "threads_num": threads}, config_file=False
+        profile, {"max_seq_len": len(ids) + new + 16, "threads_num": threads,
+                  "kv_type": kv_type, "kv_tier": kv_tier.upper()}, config_file=False
     ).settings
     weights = lm.spec.weights_bytes  # what the loader holds (a GGUF: the mapped file's tensors)
     session = Session(lm, st)  # compiles (or loads) its kernels here, before any timing
@@ -101,7 +102,7 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
     return dict(
         t0=t0, first=first[0], out=first[1], windows=windows, weights_bytes=weights,
         kv_bytes=first[2], attended_share=share, threads=session.threads,
-        weight_type=lm.weight_type,
+        weight_type=lm.weight_type, kv_type=kv_type, kv_tier=kv_tier,
     )
 
 
@@ -181,10 +182,12 @@ def _run_llamacpp(gguf: str, ids: list[int], new: int, threads: int, runtime: st
     )
 
 
-def _warm(runtime: str, tiny: str, ids: list[int], threads: int) -> None:
+def _warm(runtime: str, tiny: str, ids: list[int], threads: int, kv_type: str = "BF16",
+          kv_tier: str = "ram") -> None:
     """Run the runtime once on the tiny model of the same dtypes (`tiny`: its HF folder, with its
-    GGUF beside it): code, compiled kernels, thread pools and allocator set-up are then loaded,
-    so they fall in the baseline and not in what the benchmark model adds."""
+    GGUF beside it; ktlong in the same kv_type and kv_tier): code, compiled kernels, thread pools
+    and allocator set-up are then loaded, so they fall in the baseline and not in what the
+    benchmark model adds."""
     ids = ids[:WARM_TOKENS]
     if runtime.startswith("ktlong-"):
         import dataclasses
@@ -197,7 +200,8 @@ def _warm(runtime: str, tiny: str, ids: list[int], threads: int) -> None:
         st = resolve_settings(  # a budget smaller than the prompt: the sparse kernels run too
             runtime.split("-", 1)[1], {"max_seq_len": WARM_TOKENS + 16, "threads_num": threads,
                                        "block_size": 16, "init_len": 16, "local_windows_len": 64,
-                                       "second_select_num": 4}, config_file=False,
+                                       "second_select_num": 4, "kv_type": kv_type,
+                                       "kv_tier": kv_tier.upper()}, config_file=False,
         ).settings
         session = Session(lm, st)
         session.prefill(ids)
@@ -230,16 +234,17 @@ def _warm(runtime: str, tiny: str, ids: list[int], threads: int) -> None:
 
 
 def _worker(runtime: str, model: str, gguf: str, ids_file: str, new: int, threads: int,
-            runs: int, tiny: str) -> dict:
+            runs: int, tiny: str, kv_type: str = "BF16", kv_tier: str = "ram") -> dict:
     ids = json.loads(Path(ids_file).read_text())
     # the process's own footprint before the benchmark model: interpreter, libraries, and the
     # runtime run once on a tiny model, so peak RSS - baseline is what this model and context add
     # (a GGUF model's warm-up is the tiny model's GGUF, in the same weight types)
     _warm(runtime, str(Path(tiny).with_suffix(".gguf")) if runtime.startswith("ktlong-")
-          and model.endswith(".gguf") else tiny, ids, threads)
+          and model.endswith(".gguf") else tiny, ids, threads, kv_type, kv_tier)
     baseline = peak_rss(reset=True)
     if runtime.startswith("ktlong-"):
-        r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads, runs)
+        r = _run_ktlong(runtime.split("-", 1)[1], model, ids, new, threads, runs, kv_type,
+                        kv_tier)
     elif runtime == "transformers":
         r = _run_transformers(model, ids, new, threads, runs)
     elif runtime.startswith("llamacpp"):
@@ -365,8 +370,10 @@ def _prompt_ids(tokenizer: str | tuple[str, str], n: int) -> list[int]:
 def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         repeats: int = 1, shape: dict[str, int] | None = None,
         log: Any = None, decode_runs: int = DECODE_RUNS, model: str | None = None,
-        gen: tuple[str, int, str] | None = None) -> dict[str, Any]:
-    """Measure every runtime at every context; returns {threads, model, rows}."""
+        gen: tuple[str, int, str] | None = None, kv_type: str = "BF16",
+        kv_tier: str = "ram") -> dict[str, Any]:
+    """Measure every runtime at every context (ktlong's KV in kv_type, in the kv_tier "ram" or
+    "disk"; llama.cpp's runtimes name their own KV type); returns {threads, model, rows, ...}."""
     shape = dict(shape or BENCH_SHAPE)
     # 0: ktlong picks the idle cores itself (its default); the peers get every core
     peer_threads = threads or os.cpu_count() or 1
@@ -395,7 +402,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
         warm_ids = root / "ids-warm.json"  # a short prompt: the fill must not prefill 128K
         warm_ids.write_text(json.dumps(ids[:1024]))  # the last tokenized prompt's start
         subprocess.run([sys.executable, "-m", "ktlong.bench.e2e", "ktlong-default", *argv,
-                        str(warm_ids), "4", str(threads), "1", files["tiny"]],
+                        str(warm_ids), "4", str(threads), "1", files["tiny"], kv_type, kv_tier],
                        capture_output=True, check=False)
     raw: dict[tuple[str, int], list[dict]] = {}
     for _ in range(repeats):
@@ -407,7 +414,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                     [sys.executable, "-m", "ktlong.bench.e2e", name, *argv,
                      str(ids_files[n]), str(new_tokens),
                      str(threads if name.startswith("ktlong") else peer_threads), str(decode_runs),
-                     files["tiny"]],
+                     files["tiny"], kv_type, kv_tier],
                     capture_output=True, text=True,
                 )
                 row = _parse(proc, name, n)
@@ -434,7 +441,8 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                              note=PEERS_HINT))
     tmp.cleanup()
     return {"threads": threads or f"{peer_threads} (ktlong: idle cores)",
-            "new_tokens": new_tokens, "decode_runs": decode_runs,
+            "new_tokens": new_tokens, "decode_runs": decode_runs, "kv_type": kv_type,
+            "kv_tier": kv_tier,
             "model": shape if gen is None and model is None else files["describe"],
             "origin": files["origin"], "rows": rows}
 
@@ -443,7 +451,8 @@ def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: b
          plot_file: Path | None = None, runtimes: list[str] | None = None, repeats: int = 1,
          shape: dict[str, int] | None = None, command: str = "",
          decode_runs: int = DECODE_RUNS, model: str | None = None,
-         gen: tuple[str, int, str] | None = None) -> None:
+         gen: tuple[str, int, str] | None = None, kv_type: str = "BF16",
+         kv_tier: str = "ram") -> None:
     from rich.console import Console
 
     from ktlong.bench import plot as plotting
@@ -453,7 +462,7 @@ def main(contexts: list[int], new_tokens: int = 64, threads: int = 0, as_json: b
         plotting.require()
     log = console.log  # progress on stderr, also under --json
     data = run(sorted(contexts), new_tokens, threads, list(runtimes or RUNTIMES[:4]), repeats,
-               shape, log, decode_runs, model, gen)
+               shape, log, decode_runs, model, gen, kv_type, kv_tier)
     data = {"bench": "e2e", "command": command, "machine": plotting.machine(), **data}
     if plot_file is not None:
         plot(data, plot_file)
@@ -470,8 +479,9 @@ def print_table(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     model = data["model"]
+    kv = f", ktlong's KV {data['kv_type']} in {data['kv_tier']}" if "kv_type" in data else ""
     table = Table(title=f"end to end, {data['threads']} threads, {data['new_tokens']} new tokens, "
-                        + (f"random Llama {model}" if isinstance(model, dict) else model))
+                        + (f"random Llama {model}" if isinstance(model, dict) else model) + kv)
     for col in ("context", "runtime", "prefill tok/s", "decode tok/s", "peak RSS (GB)",
                 "RSS - baseline (GB)", "weights+KV (GB)", "blocks read", "same ids"):
         table.add_column(col, justify="right")
@@ -522,6 +532,7 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
         fig, path, f"decode speed against context, {data.get('new_tokens', '?')} new tokens", data)
 
 
-if __name__ == "__main__":  # a worker; argv: RUNTIME HF GGUF IDS NEW THREADS RUNS TINY
+if __name__ == "__main__":  # a worker; argv: RUNTIME HF GGUF IDS NEW THREADS RUNS TINY KV TIER
     a = sys.argv[1:]
-    print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]), a[7])))
+    print(json.dumps(_worker(a[0], a[1], a[2], a[3], int(a[4]), int(a[5]), int(a[6]), a[7],
+                             *a[8:10])))
