@@ -157,6 +157,18 @@ def test_damaged_entry_is_reported_and_recomputed(lm, tmp_path, damage):
     read_header(_entry(tmp_path))  # a good entry was written back
 
 
+def test_a_truncated_entry_of_another_kv_type_is_not_converted(lm32, tmp_path):
+    ids = _ids(lm32, 700)
+    open_document(lm32, settings(kv_type="BF16", anchor_type="MEAN"), ids, cache_dir=tmp_path)
+    path = _entry(tmp_path)
+    path.write_bytes(path.read_bytes()[:-5000])
+    q4 = settings(kv_type="Q4_0", anchor_type="MEAN", kv_tier="DISK", cache_dir=str(tmp_path))
+    opened = open_document(lm32, q4, ids, cache_dir=tmp_path)
+    assert opened.source == "prefill" and "damaged" in opened.note and not path.exists()
+    assert opened.session.store.tier is not None and opened.session.store.row == 20
+    assert read_header(_entry(tmp_path))[0]["content"]["kv_type"] == "Q4_0"
+
+
 def _rewrite_as_version_1(path: Path) -> None:
     """Rewrite a cache entry in format 1 (what ktlong wrote before Q8 anchors): BF16 anchors
     [Hkv, nb, A, d] in place of the Q8 rows [Hkv, nb, A, d + 4], CRCs and version to match."""
