@@ -345,7 +345,7 @@ class ChatLoop:
         return False
 
 
-def run(model: Path | None, prompt_file: str | None, settings: Settings, *,
+def run(model: Path | None, prompt_file: str | list[str] | None, settings: Settings, *,
         system: str | None = None, questions: Sequence[str] = (), as_json: bool = False,
         show_prompt_ids: bool = False, encoding: str | None = None, use_cache: bool = True,
         cache_dir: Path | None = None) -> int:

@@ -52,6 +52,11 @@ KvTypeOpt = Annotated[str | None, typer.Option(
     help="KV cache precision.")]
 DeviceOpt = Annotated[str | None, typer.Option(
     "--device", metavar="AUTO|CPU|CUDA", show_default=False, help="Where the model runs.")]
+PromptFilesOpt = Annotated[list[str] | None, typer.Option(
+    "--prompt-file", "-f", metavar="FILE|DIR|-", show_default=False,
+    help="The document: .txt, .md, .pdf, .epub, .html or .docx (PDF needs ktlong[docs]); "
+         "repeat it, or give a folder, to read several, each introduced by its name; - reads "
+         "stdin.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", "-t", show_default=False,
     help="CPU threads (0 = the cores idle when a prefill or an answer starts, at least the "
@@ -180,9 +185,7 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
 # --- chat ---------------------------------------------------------------------------------------
 @app.command()
 def chat(model: ModelOpt = None,
-         prompt_file: Annotated[str | None, typer.Option(
-             "--prompt-file", "-f", metavar="FILE|-", show_default=False,
-             help="The document to ask about (UTF-8 text; - reads stdin).")] = None,
+         prompt_file: PromptFilesOpt = None,
          profile: ProfileOpt = None,
          system: Annotated[str | None, typer.Option(
              "--system", metavar="TEXT", show_default=False, help="System prompt.")] = None,
@@ -230,16 +233,22 @@ def chat(model: ModelOpt = None,
     cdir = Path(res.settings.cache_dir).expanduser() if res.settings.cache_dir else None
     if not no_cache:
         cache_root(res.settings, cdir)  # a file, not a folder: refused before anything slow
+    files = _documents(prompt_file)
     if demo:
-        model, prompt_file = _demo_inputs(model, prompt_file, demo_tokens, res.settings)
-    code = chat_mod.run(model, prompt_file, res.settings, system=system, questions=questions or [],
+        model, files = _demo_inputs(model, files, demo_tokens, res.settings)
+    code = chat_mod.run(model, files, res.settings, system=system, questions=questions or [],
                         as_json=as_json, show_prompt_ids=show_prompt_ids, encoding=encoding,
                         use_cache=not no_cache, cache_dir=cdir)
     if code:
         raise typer.Exit(code)
 
 
-def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str,
+def _documents(files: list[str] | None) -> str | list[str] | None:
+    """--prompt-file as read_document takes it: one source as it is, several as a list."""
+    return None if not files else files[0] if len(files) == 1 else files
+
+
+def _demo_inputs(model: Path | None, prompt_file: str | list[str] | None, tokens: str,
                  st: Settings) -> tuple[Path, str]:
     """`chat --demo`: the shipped model (unless --model) and a generated document; what it
     costs (refused when it does not fit); what to ask."""
@@ -271,9 +280,7 @@ def _demo_inputs(model: Path | None, prompt_file: str | None, tokens: str,
 
 @app.command()
 def prefill(model: ModelOpt = None,
-            prompt_file: Annotated[str, typer.Option(
-                "--prompt-file", "-f", metavar="FILE|-", show_default=False,
-                help="The document (UTF-8 text; - reads stdin).")] = "",
+            prompt_file: PromptFilesOpt = None,
             profile: ProfileOpt = None, sets: SetOpt = None,
             system: Annotated[str | None, typer.Option(
                 "--system", metavar="TEXT", show_default=False,
@@ -295,8 +302,8 @@ def prefill(model: ModelOpt = None,
     res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
                   threads_num=threads)
     cache_root(res.settings, cache_dir)  # a file, not a folder: refused before anything slow
-    run(model, prompt_file, res.settings, system=system, encoding=encoding, cache_dir=cache_dir,
-        as_json=as_json)
+    run(model, _documents(prompt_file), res.settings, system=system, encoding=encoding,
+        cache_dir=cache_dir, as_json=as_json)
 
 
 # --- inspect ------------------------------------------------------------------------------------
@@ -372,6 +379,28 @@ def inspect_attention(prompt_file: Annotated[Path, typer.Option(
     res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
                   threads_num=threads)
     attention_main(model, prompt_file, question, res.settings, profile, tokens, as_json, png)
+
+
+@inspect_app.command("document")
+def inspect_document(files: Annotated[list[str], typer.Argument(
+                         metavar="FILE|DIR...", show_default=False,
+                         help="Documents as --prompt-file takes them (several are joined).")],
+                     model: Annotated[Path | None, typer.Option(
+                         "--model", "-m", metavar="DIR|FILE.gguf", show_default=False,
+                         help="Count tokens with this model's tokenizer (else an estimate).")]
+                     = None,
+                     encoding: Annotated[str | None, typer.Option(
+                         metavar="NAME", show_default=False,
+                         help="Text encoding of text and HTML files (default UTF-8).")] = None,
+                     show: Annotated[bool, typer.Option(
+                         "--show", help="Print the text the model reads (on stdout; the summary "
+                                        "goes to stderr).")] = False,
+                     as_json: JsonOpt = False) -> None:
+    """The text that goes to the model: per file its kind, pages, characters, tokens, and what
+    was dropped (pages without text, images, scripts and styles)."""
+    from ktlong.inspect import document_main
+
+    document_main(files, model, encoding, show, as_json)
 
 
 @inspect_app.command("cache")

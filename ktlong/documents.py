@@ -1,13 +1,24 @@
-"""Reading a document (the prompt file, or a /read file) as text, with one clear error per mistake.
+"""Reading documents (the prompt file or files, a /read file) as the text the model reads.
 
-Bytes are read whole, then checked in this order: missing, a directory, unreadable, empty, binary
-(NUL bytes or a known binary format), then decoded strictly (UTF-8 unless `encoding` is given; a
-UTF-8 byte-order mark is dropped). Windows line ends become `\n`. `-` reads stdin.
+Kinds: PDF (.pdf, through pypdf: the optional `ktlong[docs]`), EPUB (.epub), HTML (.html, .htm,
+.xhtml), DOCX (.docx), Markdown (.md) and text (.txt or any other name). The extension names the
+kind; for a text or unknown name the first bytes decide too (a PDF or an EPUB named .txt is read as
+what it is). `ktlong.docformats` extracts the text of each format and says what it dropped.
+
+A text file's bytes are checked in this order: empty, binary (a byte-order mark, NUL bytes, a
+known binary format), then decoded strictly (UTF-8 unless `encoding` is given; a UTF-8 byte-order
+mark is dropped). Windows line ends become `\\n`. `-` reads stdin.
+
+Several sources (files, or folders: their files with a document extension, recursively, in natural
+order) are joined in the order given, each file's text introduced by a line `=== NAME ===` (its
+file name, or its path inside the folder). One file is read as it is, without that line.
 """
 from __future__ import annotations
 
 import codecs
+import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -15,53 +26,229 @@ from typing import BinaryIO
 from ktlong.errors import KtlongError
 
 _SNIFF = 1 << 16  # bytes looked at for NUL bytes
-_MAGIC = {b"%PDF": "a PDF file", b"PK\x03\x04": "a zip archive (docx, epub, xlsx, ...)",
-          b"\x1f\x8b": "a gzip file", b"\x7fELF": "a program", b"\x89PNG": "a PNG image",
-          b"\xff\xd8\xff": "a JPEG image", b"GGUF": "a GGUF model file"}
+_OLE = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"  # Office 97-2003 files, and password-protected ones
+_MAGIC = {b"\x1f\x8b": "a gzip file", b"\x7fELF": "a program", b"\x89PNG": "a PNG image",
+          b"\xff\xd8\xff": "a JPEG image", b"GIF8": "a GIF image", b"GGUF": "a GGUF model file",
+          b"PK\x03\x04": "a zip archive", _OLE: "an Office 97-2003 file (.doc, .xls, .ppt)"}
 _BOMS = {codecs.BOM_UTF32_LE: "utf-32", codecs.BOM_UTF32_BE: "utf-32",
          codecs.BOM_UTF16_LE: "utf-16", codecs.BOM_UTF16_BE: "utf-16"}  # utf-32 first: longer
 ENCODING_HINT = "pass --encoding, e.g. --encoding latin-1, --encoding cp1252 or --encoding utf-16"
+KINDS = {".pdf": "pdf", ".epub": "epub", ".html": "html", ".htm": "html", ".xhtml": "html",
+         ".docx": "docx", ".md": "markdown", ".markdown": "markdown", ".txt": "text",
+         ".text": "text", ".rst": "text"}  # a folder reads the files with these extensions
+UNSUPPORTED = {".doc": "a Word 97-2003 file", ".rtf": "an RTF file",
+               ".odt": "an OpenDocument text", ".pages": "an Apple Pages file",
+               ".mobi": "a Kindle book", ".azw": "a Kindle book", ".azw3": "a Kindle book",
+               ".djvu": "a DjVu file", ".xlsx": "a spreadsheet", ".xls": "a spreadsheet",
+               ".ods": "a spreadsheet", ".pptx": "a presentation", ".ppt": "a presentation",
+               ".odp": "a presentation"}
+FORMATS = ".txt, .md, .pdf, .epub, .html, .docx"
+CONVERT_HINT = (f"ktlong reads {FORMATS}: save or convert it to one of those (e.g. with "
+                "LibreOffice, pandoc or calibre's ebook-convert)")
+_LATIN1 = {"iso-8859-1", "latin-1", "latin1", "us-ascii", "ascii"}  # web pages mean cp1252
 
 
 @dataclass(frozen=True)
 class Document:
-    name: str  # the path as given, or "<stdin>"
-    text: str
-    n_bytes: int
+    name: str  # the path as given, "<stdin>", or what several files were (see read_document)
+    text: str  # what the model reads
+    n_bytes: int  # of the file(s) as stored
+    kind: str = "text"  # text | markdown | pdf | epub | html | docx | several
+    pages: int | None = None  # PDF pages, EPUB chapters
+    dropped: tuple[str, ...] = ()  # what the text leaves out, e.g. "page 3: no text (1 image)"
+    parts: tuple[Document, ...] = ()  # several files: each one as read, in the order joined
+    title: str = ""  # the name in the `=== NAME ===` line that introduces it among several
 
 
-def read_document(source: str | Path, encoding: str | None = None,
+class EmptyDocument(KtlongError):
+    """A file with no bytes or only whitespace (a folder skips it; alone it is refused)."""
+
+
+def read_document(source: str | Path | Sequence[str | Path], encoding: str | None = None,
                   stdin: BinaryIO | None = None, what: str = "prompt file") -> Document:
-    """Read `source` (a path, or "-" for `stdin`, default `sys.stdin`) as text.
+    """Read `source` as the text the model reads: a path, "-" for `stdin` (default `sys.stdin`),
+    a folder, or a list of them (joined, see the module docstring).
 
-    `what` names the file in messages ("prompt file", "file"). Raises KtlongError saying which
-    check failed and how to fix it.
+    `encoding` applies to text and HTML files. `what` names the file in messages ("prompt file",
+    "file"). Raises KtlongError saying which check failed and how to fix it.
     """
-    if str(source) == "-":
+    sources = [source] if isinstance(source, (str, Path)) else list(source)
+    if not sources:
+        raise KtlongError(f"no {what} given")
+    if len(sources) == 1 and str(sources[0]) == "-":
         stream = stdin if stdin is not None else sys.stdin.buffer
         if stream.isatty():
             raise KtlongError(f"{what} '-' reads the document from stdin, but stdin is a terminal",
                               hint="pipe it in: cat book.txt | ktlong chat --prompt-file - ...")
-        return decode(stream.read(), "<stdin>", encoding, what)
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise KtlongError(f"{what} {path} does not exist", hint=_nearby(path))
+        return from_bytes(stream.read(), "<stdin>", encoding, what)
+    files: list[tuple[Path, str]] = []  # (path, title)
+    skipped: list[str] = []
+    for s in sources:
+        if str(s) == "-":
+            raise KtlongError(f"{what} '-' (stdin) cannot be read together with other files",
+                              hint="pass the files by name, or only '-'")
+        path = Path(s).expanduser()
+        if not path.exists():
+            raise KtlongError(f"{what} {path} does not exist", hint=_nearby(path))
+        if path.is_dir():
+            found, other = _folder(path, what)
+            files += found
+            skipped += other
+        else:
+            files.append((path, path.name))
+    if len(files) == 1 and not skipped:
+        return _read_file(files[0][0], encoding, what)
+    parts = []
+    for path, title in files:
+        try:
+            doc = _read_file(path, encoding, what)
+        except EmptyDocument:
+            skipped.append(f"{title} (empty)")
+            continue
+        parts.append(Document(doc.name, doc.text, doc.n_bytes, doc.kind, doc.pages, doc.dropped,
+                              title=title))
+    if not parts:
+        raise EmptyDocument(f"{what}s {', '.join(map(str, sources))} hold no text",
+                            hint="give a file with some text in it")
+    return join(parts, _several_name(sources, len(parts)), skipped)
+
+
+def join(parts: Sequence[Document], name: str, skipped: Sequence[str] = ()) -> Document:
+    """Several documents as one: each text after a line `=== TITLE ===`, a blank line between."""
+    text = "\n\n".join(f"=== {p.title or p.name} ===\n{p.text.strip(chr(10))}" for p in parts)
+    dropped = [f"{p.title or p.name}: {d}" for p in parts for d in p.dropped]
+    if skipped:
+        dropped.append(f"skipped {len(skipped)} file{'s' if len(skipped) > 1 else ''}: "
+                       + ", ".join(skipped))
+    return Document(name, text + "\n", sum(p.n_bytes for p in parts), "several", None,
+                    tuple(dropped), tuple(parts))
+
+
+def _several_name(sources: Sequence[str | Path], n: int) -> str:
+    shown = ", ".join(str(s) for s in sources)
+    if len(sources) > 1 and len(shown) > 60:
+        shown = f"{sources[0]}, ..."
+    return f"{shown} ({n} files)"
+
+
+def _natural(text: str) -> tuple[list[int | str], str]:
+    """Sort key: "ch2" before "ch10", case aside."""
+    return [int(t) if t.isdigit() else t.lower() for t in re.split(r"(\d+)", text)], text
+
+
+def _folder(path: Path, what: str) -> tuple[list[tuple[Path, str]], list[str]]:
+    """The document files under `path` (hidden ones aside) in natural order, titled by their
+    path inside it; and the other files, skipped."""
+    found, other = [], []
+    try:
+        entries = sorted(path.rglob("*"), key=lambda p: _natural(p.relative_to(path).as_posix()))
+    except OSError as e:
+        raise KtlongError(f"cannot list {what} folder {path}: {e.strerror or e}") from None
+    for p in entries:
+        rel = p.relative_to(path).as_posix()
+        if any(part.startswith(".") for part in p.relative_to(path).parts) or not p.is_file():
+            continue
+        (found if p.suffix.lower() in KINDS else other).append((p, rel))
+    if not found:
+        more = f" ({len(other)} other file{'s' if len(other) != 1 else ''})" if other else ""
+        raise KtlongError(f"{what} folder {path} holds no document{more}",
+                          hint=f"a folder is read for its {FORMATS} files")
+    return found, [rel for _, rel in other]
+
+
+def _read_file(path: Path, encoding: str | None, what: str) -> Document:
     if path.is_dir():
-        raise KtlongError(f"{what} {path} is a directory, not a file",
-                          hint="pass one text file; join several with cat first")
+        raise KtlongError(f"{what} {path} is a directory, not a file")
     try:
         data = path.read_bytes()
     except OSError as e:
         raise KtlongError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    return decode(data, str(path), encoding, what)
+    return from_bytes(data, str(path), encoding, what, path.suffix.lower())
+
+
+def from_bytes(data: bytes, name: str, encoding: str | None = None, what: str = "prompt file",
+               suffix: str = "") -> Document:
+    """The document in `data`, a file named `name` whose extension is `suffix` ("" = unknown)."""
+    from ktlong import docformats
+
+    label = f"{what} {name}"
+    if not data:
+        raise EmptyDocument(f"{label} is empty (0 bytes)", hint="give a file with some text in it")
+    kind = _kind(data, suffix, label)
+    if kind in ("text", "markdown"):
+        doc = decode(data, name, encoding, what)
+        return Document(name, doc.text, doc.n_bytes, kind)
+    if kind == "html":
+        enc = encoding or _page_charset(data)
+        got = docformats.html(decode(data, name, enc, what).text)
+    else:
+        got = getattr(docformats, kind)(data, label)
+    if not got.text.strip():
+        raise EmptyDocument(f"{label} has no text" + (f" ({', '.join(got.dropped)})"
+                                                      if got.dropped else ""),
+                            hint="give a file with some text in it")
+    return Document(name, got.text + "\n", len(data), kind, got.pages, tuple(got.dropped))
+
+
+def _kind(data: bytes, suffix: str, label: str) -> str:
+    """pdf | epub | html | docx | markdown | text, from the extension and the first bytes."""
+    if suffix in UNSUPPORTED:
+        raise KtlongError(f"{label} is {UNSUPPORTED[suffix]}, which ktlong does not read",
+                          hint=CONVERT_HINT)
+    kind = KINDS.get(suffix)
+    if kind == "docx" and data.startswith(_OLE):
+        raise KtlongError(f"{label} is an encrypted DOCX (a password-protected Office file)",
+                          hint="save it again without a password (Word: File > Info > Protect "
+                               "Document)")
+    if kind not in (None, "text", "markdown"):
+        return kind
+    if data.startswith(b"%PDF"):
+        return "pdf"
+    if data.startswith(b"PK\x03\x04"):
+        inside = _zip_kind(data)
+        if inside:
+            return inside
+    for magic, what in _MAGIC.items():
+        if data.startswith(magic):
+            raise KtlongError(f"{label} is {what}, which ktlong does not read",
+                              hint=CONVERT_HINT)
+    return kind or "text"
+
+
+def _zip_kind(data: bytes) -> str | None:
+    """epub or docx when a zip archive is one, else None."""
+    import io
+    import zipfile
+
+    try:
+        names = set(zipfile.ZipFile(io.BytesIO(data)).namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    if "META-INF/container.xml" in names:
+        return "epub"
+    return "docx" if "word/document.xml" in names else None
+
+
+def _page_charset(data: bytes) -> str | None:
+    """The charset an HTML page declares, when Python knows it and it is not UTF-8."""
+    from ktlong.docformats import declared_charset
+
+    charset = declared_charset(data)
+    if charset in _LATIN1:
+        return "cp1252"
+    try:
+        name = codecs.lookup(charset).name if charset else None
+    except LookupError:
+        return None
+    return None if name in (None, "utf-8") else name
 
 
 def decode(data: bytes, name: str, encoding: str | None = None,
            what: str = "prompt file") -> Document:
-    """Check and decode the bytes of a document named `name` (see the module docstring)."""
+    """Check and decode the bytes of a text document named `name` (see the module docstring)."""
     label = f"{what} {name}"
     if not data:
-        raise KtlongError(f"{label} is empty (0 bytes)", hint="give a file with some text in it")
+        raise EmptyDocument(f"{label} is empty (0 bytes)", hint="give a file with some text in it")
     if encoding is not None:
         try:
             encoding = codecs.lookup(encoding).name
@@ -78,8 +265,8 @@ def decode(data: bytes, name: str, encoding: str | None = None,
                           f"{e.start:,} does not decode)", hint=ENCODING_HINT) from None
     text = text.lstrip("\ufeff").replace("\r\n", "\n")
     if not text.strip():
-        raise KtlongError(f"{label} holds only whitespace ({len(data):,} bytes)",
-                          hint="give a file with some text in it")
+        raise EmptyDocument(f"{label} holds only whitespace ({len(data):,} bytes)",
+                            hint="give a file with some text in it")
     return Document(name=name, text=text, n_bytes=len(data))
 
 
@@ -88,10 +275,6 @@ def _refuse_binary(data: bytes, label: str) -> None:
         if data.startswith(bom):
             raise KtlongError(f"{label} looks like {enc.upper()} text, not UTF-8 (it starts with "
                               f"a {enc.upper()} byte-order mark)", hint=f"add --encoding {enc}")
-    for magic, kind in _MAGIC.items():
-        if data.startswith(magic):
-            raise KtlongError(f"{label} is {kind}, not text",
-                              hint="convert it to plain text first (e.g. pdftotext, pandoc)")
     nul = data.find(b"\x00", 0, _SNIFF)
     if nul >= 0:
         raise KtlongError(f"{label} looks binary, not text (a NUL byte at offset {nul:,})",

@@ -338,3 +338,85 @@ def write_png(report: AttentionReport, path: Path) -> None:
 
 def _wrap(text: str, width: int) -> str:
     return "\n".join(textwrap.wrap(text, width))
+
+
+# --- inspect document ---------------------------------------------------------------------------
+CHARS_PER_TOKEN = 4  # the estimate without a tokenizer: English prose with a BPE vocabulary
+
+
+def token_counter(model: Path) -> Any:
+    """text -> token count with `model`'s tokenizer (no special tokens); loads no weights."""
+    import os
+
+    from ktlong.model import read_spec
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    from transformers import AutoTokenizer
+
+    spec = read_spec(model, need_weights=False)
+    kw: dict[str, Any] = dict(local_files_only=True, trust_remote_code=False)
+    folder = spec.path
+    if spec.format == "gguf":
+        folder, kw["gguf_file"] = str(Path(spec.path).parent), Path(spec.path).name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
+    except (OSError, ValueError) as e:
+        raise KtlongError(f"could not load the tokenizer of {spec.path}: "
+                          f"{str(e).splitlines()[0]}") from None
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def document_info(doc: Any, count: Any = None) -> dict[str, Any]:
+    """What `inspect document` shows of a documents.Document: per file its kind, pages (PDF) or
+    chapters (EPUB), characters, tokens (`count(text)`, else an estimate) and what was dropped."""
+    def tokens(text: str) -> int:
+        return count(text) if count else -(-len(text) // CHARS_PER_TOKEN)
+
+    files = []
+    for part in doc.parts or (doc,):
+        row: dict[str, Any] = {"name": part.name, "kind": part.kind}
+        if part.pages is not None:
+            row["chapters" if part.kind == "epub" else "pages"] = part.pages
+        row |= {"bytes": part.n_bytes, "characters": len(part.text),
+                "tokens": tokens(part.text), "dropped": list(part.dropped)}
+        files.append(row)
+    return {"name": doc.name, "files": files, "characters": len(doc.text),
+            "tokens": tokens(doc.text), "tokens_exact": count is not None,
+            "dropped": list(doc.dropped)}
+
+
+def document_main(sources: list[str], model: Path | None, encoding: str | None, show: bool,
+                  as_json: bool) -> None:
+    """The `inspect document` command: read as the chat reads, count, report, maybe print."""
+    import sys
+
+    from ktlong.documents import read_document
+
+    doc = read_document(sources if len(sources) > 1 else sources[0], encoding, what="file")
+    info = document_info(doc, token_counter(model) if model is not None else None)
+    if as_json:
+        render.print_json(info | ({"text": doc.text} if show else {}))
+        return
+    if show:
+        sys.stdout.write(doc.text)
+        sys.stdout.flush()
+    table = Table(box=None, pad_edge=False)
+    for name, justify in (("file", "left"), ("kind", "left"), ("pages", "right"),
+                          ("characters", "right"), ("tokens", "right"), ("dropped", "left")):
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    approx = "" if info["tokens_exact"] else "~"
+    for row in info["files"]:
+        pages = (f"{row['pages']:,}" if "pages" in row else
+                 f"{row['chapters']:,} chapters" if "chapters" in row else "-")
+        table.add_row(escape(row["name"]), row["kind"], pages, f"{row['characters']:,}",
+                      f"{approx}{row['tokens']:,}", escape("\n".join(row["dropped"]) or "-"))
+    out = render.console(stderr=show)
+    out.print(table)
+    what = (f"counted with the tokenizer of {model}" if model is not None else
+            f"estimated at {CHARS_PER_TOKEN} characters a token; --model counts them")
+    several = f" (with the {len(info['files'])} '=== NAME ===' lines)" if doc.parts else ""
+    out.print(f"the model reads {info['characters']:,} characters, {approx}{info['tokens']:,} "
+              f"tokens{several}; tokens {what}")
+    skipped = [d for d in info["dropped"] if d.startswith("skipped ")]
+    for line in skipped:
+        out.print(escape(line))

@@ -15,7 +15,7 @@ from ktlong.errors import KtlongError
 
 def run(
     model: Path | None,
-    prompt_file: str,
+    prompt_file: str | list[str],
     settings: Settings,
     *,
     system: str | None = None,

@@ -356,7 +356,7 @@ def chat(*args: str, input: bytes | str | None = None):  # type: ignore[no-untyp
 
 @pytest.mark.parametrize("make,expect", [
     (lambda d: d / "missing.txt", "does not exist"),
-    (lambda d: d, "is a directory, not a file"),
+    (lambda d: d, "holds no document"),  # a folder: read for its documents
     (lambda d: (d / "e.txt", (d / "e.txt").write_bytes(b""))[0], "is empty (0 bytes)"),
     (lambda d: (d / "b.bin", (d / "b.bin").write_bytes(b"\x00\x01"))[0], "looks binary"),
     (lambda d: (d / "l.txt", (d / "l.txt").write_bytes("é".encode("latin-1")))[0],
