@@ -306,6 +306,53 @@ def prefill(model: ModelOpt = None,
         cache_dir=cache_dir, as_json=as_json)
 
 
+# --- serve --------------------------------------------------------------------------------------
+@app.command()
+def serve(model: ModelOpt = None,
+          prompt_file: PromptFilesOpt = None,
+          host: Annotated[str, typer.Option(
+              help="Address to listen on; anything but loopback wants --api-key.")]
+          = "127.0.0.1",
+          port: Annotated[int, typer.Option(min=0, max=65535, help="Port.")] = 8080,
+          api_key: Annotated[str | None, typer.Option(
+              "--api-key", metavar="KEY", show_default=False,
+              help="Require 'Authorization: Bearer KEY' on /v1 requests.")] = None,
+          name: Annotated[str | None, typer.Option(
+              "--name", metavar="ID", show_default=False,
+              help="The model id clients send (default: the model's folder or file name).")]
+          = None,
+          profile: ProfileOpt = None, sets: SetOpt = None,
+          encoding: Annotated[str | None, typer.Option(
+              metavar="NAME", show_default=False, help="Text encoding of the prompt file.")]
+          = None,
+          no_cache: Annotated[bool, typer.Option(
+              "--no-cache", help="Neither use nor write the prompt cache.")] = False,
+          cache_dir: Annotated[Path | None, typer.Option(
+              metavar="DIR", show_default=False, help="Prompt cache folder.")] = None,
+          max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
+          device: DeviceOpt = None, threads: ThreadsOpt = None,
+          demo: Annotated[bool, typer.Option(
+              "--demo", help="Serve the built-in demo model (when no --model).")] = False) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (needs the `serve` extra); a
+    --prompt-file document opens every chat, as in `ktlong chat`."""
+    from ktlong import server
+    from ktlong.promptcache import cache_root
+
+    server.require()
+    res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
+                  threads_num=threads, cache_dir=str(cache_dir) if cache_dir else None)
+    cdir = Path(res.settings.cache_dir).expanduser() if res.settings.cache_dir else None
+    if not no_cache:
+        cache_root(res.settings, cdir)  # a file, not a folder: refused before anything slow
+    if demo and model is None:
+        from ktlong.demo import MODEL_DIR
+
+        model = MODEL_DIR
+    server.run(model, _documents(prompt_file), res.settings, host=host, port=port,
+               api_key=api_key, name=name, encoding=encoding, use_cache=not no_cache,
+               cache_dir=cdir)
+
+
 # --- inspect ------------------------------------------------------------------------------------
 @inspect_app.command("config")
 def inspect_config(keys: Annotated[list[str] | None, typer.Argument(
@@ -747,6 +794,28 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
     e2e.main(_lengths(contexts), new_tokens, threads, as_json, plot_file, names, repeats,
              command=command, decode_runs=decode_runs, model=model,
              gen=(shape, layers, weights) if shape else None, kv_type=kv_type, kv_tier=kv_tier)
+
+
+@bench_app.command("serve")
+def bench_serve(tokens: Annotated[str, typer.Option(
+                    metavar="TOKENS", help="Document length, e.g. 32K.")] = "32K",
+                model: ModelOpt = None, profile: ProfileOpt = None, sets: SetOpt = None,
+                threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
+    """`ktlong serve` time to first token: a long system-message document's first request, a
+    second question on it, and a restart (prompt cache); the demo model unless --model."""
+    from ktlong.bench import serve as bench
+
+    try:
+        n = parse_int(tokens)
+    except ValueError:
+        raise KtlongError(f"--tokens {tokens!r}: expected a number like 32768 or 32K") from None
+    res = resolve(profile, sets, threads_num=threads)
+    if res.settings.max_seq_len < n + 1024:  # the document, a question and the answer
+        res = resolve(profile, sets, threads_num=threads, max_seq_len=n + 4096)
+    command = (f"ktlong bench serve --tokens {tokens}{f' --model {model}' if model else ''}"
+               f"{f' --profile {profile}' if profile else ''}"
+               f"{f' -t {threads}' if threads is not None else ''}")
+    bench.main(n, res.settings, model, as_json, command)
 
 
 @bench_app.command("plot")
