@@ -117,6 +117,8 @@ class ChatLoop:
         self.last: Answer | None = None
         self._carry = (0, 0.0)  # document prefill (tokens, seconds) not yet reported
         self._kernels_told = False
+        self.dropped = [0, 0]  # turns, tokens dropped by context shifts (overflow SHIFT)
+        self._shift_notes: list[str] = []  # shifts made during an answer, told after it
 
     # --- the document ------------------------------------------------------------------------
     def open(self) -> None:
@@ -135,6 +137,7 @@ class ChatLoop:
             else:  # no document and a template with no head: nothing to prefill yet
                 opened = Opened(Session(self.lm, self.settings), "none")
         self.session, self.source, self.doc_len = opened.session, opened.source, len(ids)
+        self.dropped = [0, 0]
         st = opened.session.stats
         self._carry = (st.prompt_tokens, st.prefill_s)
         self.ui.document(self, opened)
@@ -145,7 +148,8 @@ class ChatLoop:
         name = self.document.name if self.document else ""
         return {"document_name": name, "document": self.conv.document,
                 "system": self.conv.system, "turns": [dataclasses.asdict(t)
-                                                      for t in self.conv.turns]}
+                                                      for t in self.conv.turns],
+                "dropped": list(self.dropped)}
 
     def resume(self, session: Any, state: dict[str, Any], source: str = "cache") -> None:
         """Continue the conversation `state` (from `state()`) whose KV `session` holds."""
@@ -157,6 +161,7 @@ class ChatLoop:
         self.session, self.source, self.last = session, source, None
         self.doc_len = len(self.conv.document_ids())
         self._carry = (0, 0.0)
+        self.dropped = list(state.get("dropped", [0, 0]))
 
     # --- answering ---------------------------------------------------------------------------
     def ask(self, question: str) -> Iterator[Any]:
@@ -172,6 +177,10 @@ class ChatLoop:
         text = self.conv.question_text(question)
         ids = self.conv.prompt_ids(text)
         try:
+            if self.shifts and self.conv.turns and len(ids) + 1 > s.store.capacity:
+                ids, told = self.shift(text, [], self.sampling.max_new_tokens)
+                if told:
+                    self.ui.note(told)
             with self.ui.progress("reading", PROGRESS_MIN_TOKENS) as progress:
                 s.extend_to(ids, progress)
         except BaseException:  # Ctrl-C or too long: the question is dropped, the store kept whole
@@ -186,7 +195,7 @@ class ChatLoop:
                                  secs + s.stats.prefill_s, self.source, ids=turn.answer_ids,
                                  stats=dataclasses.replace(s.stats))
         try:
-            for step in s.generate(self.sampling):
+            for step in s.generate(self.sampling, self._make_room if self.shifts else None):
                 ans.stats = step.stats
                 if step.token_id in self.lm.eos_ids:
                     ans.stop = "eos"
@@ -203,6 +212,46 @@ class ChatLoop:
             ans.stats = dataclasses.replace(ans.stats)
             if ans.stop in ("interrupted", "context_full"):
                 s.truncate(len(s.tokens))  # a forward cut short may have written some layers
+
+    # --- context shift (overflow: SHIFT) -------------------------------------------------------
+    @property
+    def shifts(self) -> bool:
+        return self.settings.overflow == "SHIFT"
+
+    def shift(self, question: str, answer_ids: list[int], room: int) -> tuple[list[int], str]:
+        """Drop the oldest turns until the conversation ending with `question` (and the
+        `answer_ids` of its answer so far) leaves `room` tokens of max_seq_len free, and move the
+        store to it (`Session.shift_to`: the kept turns' K,V move down, keys re-rotated). The
+        document and `question` stay. Returns the conversation's ids and a line saying what was
+        dropped ("" when nothing was)."""
+        s = self.session
+        old = self.conv.prompt_ids(question) + answer_ids
+        limit = s.store.capacity - room - len(answer_ids)
+        ids, dropped = self.conv.fit(question, limit)
+        ids += answer_ids
+        if not dropped:
+            return ids, ""
+        s.shift_to(ids)  # None: nothing to reuse; extend_to prefills what the store lacks
+        n = len(old) - len(ids)
+        self.dropped[0] += len(dropped)
+        self.dropped[1] += n
+        kept = len(self.conv.turns)
+        return ids, (f"context full: dropped the oldest {len(dropped)} turn"
+                     f"{'s' if len(dropped) != 1 else ''} ({n:,} tokens); kept the document and "
+                     f"{kept} later turn{'s' if kept != 1 else ''} (/context)")
+
+    def _make_room(self, left: int) -> None:
+        """Session.generate's hook when the store is full mid-answer: a context shift that
+        leaves room for the `left` tokens the answer may still take (never drops this turn)."""
+        s, cur = self.session, self.conv.turns.pop()
+        try:
+            ids, told = self.shift(cur.question, list(cur.answer_ids), left + 1)
+        finally:
+            self.conv.turns.append(cur)
+        if told:
+            if len(s.tokens) < len(ids):  # nothing was reusable: prefill the kept turns
+                s.extend_to(ids)
+            self._shift_notes.append(told)
 
     def _tell_if_kernels_compile(self) -> None:
         """Before the first prefill: compile (or load) every kernel this chat runs, saying so
@@ -229,6 +278,9 @@ class ChatLoop:
             self.ui.note("stopped before the answer began; the question was dropped")
             return None
         self.ui.answer_end(self, self.last)
+        for told in self._shift_notes:
+            self.ui.note(told)
+        self._shift_notes.clear()
         return self.last
 
     # --- input -------------------------------------------------------------------------------
@@ -288,6 +340,7 @@ class ChatLoop:
     def _reset(self, arg: str) -> None:
         self.conv.turns.clear()
         self.conv.attachments.clear()
+        self.dropped = [0, 0]
         if self.session is not None and len(self.session.tokens) > self.doc_len:
             self.session.truncate(self.doc_len)
         self.ui.note(f"back to the document alone ({self.doc_len:,} tokens), nothing re-read")
@@ -302,6 +355,11 @@ class ChatLoop:
             self.session.check_fits(n)
         self.conv.attachments.append(doc.text)
         self.ui.note(f"attached {doc.name} ({n:,} tokens); it goes before your next question")
+
+    @command("/context", "", "what the context holds: the document, kept and dropped turns, "
+             "free tokens")
+    def _context(self, arg: str) -> None:
+        self.ui.context(self)
 
     @command("/stats", "", "context size, KV memory, speed of the last answer")
     def _stats(self, arg: str) -> None:

@@ -178,6 +178,24 @@ class TerminalUI:
         if loop.last is not None:
             self.out.print("last      " + escape(stats_line(loop.last)))
 
+    def context(self, loop: Any) -> None:
+        """/context: the document, the turns kept and dropped (context shift), free tokens."""
+        s, cap = loop.session, loop.settings.max_seq_len
+        used = len(s.tokens) if s else 0
+        cap = s.store.capacity if s else cap
+        doc = loop.document.name if loop.document else "no document"
+        turns, (gone, gone_tokens) = loop.conv.turns, loop.dropped
+        self.out.print(f"document  {escape(doc)}: {loop.doc_len:,} tokens (never dropped)")
+        self.out.print(f"kept      {len(turns)} turn{'s' if len(turns) != 1 else ''}, "
+                       f"{max(0, used - loop.doc_len):,} tokens")
+        for i, t in enumerate(turns, gone + 1):
+            q = " ".join(t.question.split())
+            q = q if len(q) <= 60 else q[:59] + "…"
+            self.out.print(f"  {i:>3}. {escape(q)} [dim]({len(t.answer_ids):,}-token answer)[/]")
+        self.out.print(f"dropped   {gone} turn{'s' if gone != 1 else ''}, {gone_tokens:,} tokens "
+                       f"(overflow {loop.settings.overflow})")
+        self.out.print(f"free      {cap - used:,} of {cap:,} tokens")
+
 
 def stats_line(a: Any) -> str:
     """The dim line after an answer: speeds, sizes, share of blocks attended, why it stopped."""

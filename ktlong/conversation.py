@@ -118,5 +118,15 @@ class Conversation:
         self._memo = memo  # keep only what this conversation still uses
         return ids
 
+    def fit(self, question: str, limit: int) -> tuple[list[int], list[Turn]]:
+        """Drop the oldest turns until `prompt_ids(question)` holds at most `limit` tokens
+        (context shift); the document and `question` are never dropped, so the ids may still
+        be longer. Returns the ids and the dropped turns, oldest first."""
+        ids, dropped = self.prompt_ids(question), []
+        while len(ids) > limit and self.turns:
+            dropped.append(self.turns.pop(0))
+            ids = self.prompt_ids(question)
+        return ids, dropped
+
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -287,12 +287,34 @@ class Session:
             self.truncate(keep)
         return self.prefill(ids[keep:], progress)
 
-    def generate(self, sampling: Sampling) -> Iterator[Step]:
+    def shift_to(self, ids: list[int], min_reuse: int = 16) -> Any:
+        """Context shift (llama.cpp's K-shift): make the store hold a prefix of `ids` that
+        reuses the K,V of the longest run of its tokens (ending with its last) that `ids` still
+        holds after their common prefix, moved down over what `ids` dropped (e.g. the oldest
+        turns), keys re-rotated to their new positions; `extend_to(ids)` then prefills the rest.
+        The document (the common prefix) never moves. Returns the `shift.ShiftPlan` done, or None
+        when nothing could be reused (the store is left as it was). See ktlong/shift.py."""
+        from ktlong import shift
+
+        plan = shift.plan(self.tokens, ids, min_reuse)
+        base = self.store.nb_base * self.store.shape.block_size
+        if plan is None:
+            keep = self.common_prefix(ids)
+            if keep < base and keep < len(self.tokens):  # let extend_to cut into the mapped part
+                self.store.detach_base(keep // self.store.shape.block_size)
+            return None
+        shift.apply(self, plan)
+        return plan
+
+    def generate(self, sampling: Sampling,
+                 make_room: Callable[[int], None] | None = None) -> Iterator[Step]:
         """Yield sampled tokens until EOS or `max_new_tokens`; each Step carries running stats.
 
         A token is fed through the model only when the next one is needed, so the store holds
         every token yielded except the last (EOS, or the one that hit the limit): the caller
         appends what should follow (e.g. the chat template's end-of-turn) with `prefill`.
+        When the store is full, `make_room(tokens still to come)` may free room (e.g. by
+        `shift_to` a conversation without its oldest turns) before the store refuses the token.
         """
         if self.logits is None:
             raise RuntimeError("prefill before generate")
@@ -314,6 +336,8 @@ class Session:
             text = text if full.endswith("\ufffd") else full
             done = token in self.lm.eos_ids or i + 1 == sampling.max_new_tokens
             if not done:
+                if make_room is not None and len(self.tokens) + 1 > self.store.capacity:
+                    make_room(sampling.max_new_tokens - i - 1)
                 self.check_fits(1)
                 self.logits = self._forward([token], None, sparse=True)[-1]
             dt = max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))  # nor here

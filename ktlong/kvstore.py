@@ -225,21 +225,9 @@ class KVStore:
                 f"max_seq_len ({capacity})",
                 hint="raise max_seq_len (ktlong memcheck)",
             )
-        nb_tail = self.nb_cap - self.nb_base
-        tail_shape = (H, nb_tail, bs, row)
+        self.tier_dir = tier_dir
         self.tier: TierFile | None = None
-        if tier_dir is not None:
-            self.tier = TierFile(tier_dir, 2 * L * self.tail_bytes(tail_shape, dtype))
-            self.k_tail, self.v_tail, self._tier_off = [], [], []
-            for _ in range(L):
-                (k, ko), (v, vo) = self.tier.array(tail_shape, dtype), self.tier.array(
-                    tail_shape, dtype)
-                self.k_tail.append(k)
-                self.v_tail.append(v)
-                self._tier_off.append((ko, vo))
-        else:
-            self.k_tail = [np.zeros(tail_shape, dtype) for _ in range(L)]
-            self.v_tail = [np.zeros(tail_shape, dtype) for _ in range(L)]
+        self._new_tail(self.nb_cap - self.nb_base)
         # Q8 rows [H, nb_cap, A, d + 4] (8-bit codes, float32 scale; kernels/anchors.py):
         # scoring reads every candidate's anchors each step, so their bytes are what a 1M-token
         # step pays beyond a 16K one
@@ -262,6 +250,48 @@ class KVStore:
         self.block_bytes = 2 * H * bs * row * np.dtype(dtype).itemsize  # K + V, all heads
         self.map_cap = MAP_CAP_MIN
         self._file_rss0 = _file_rss() if self._maps else 0
+
+    def _new_tail(self, nb_tail: int) -> None:
+        """Fresh (zero) tail arrays of `nb_tail` blocks per layer: RAM, or a new tier file."""
+        s, dtype = self.shape, KV_TYPES[self.shape.kv_type][0]
+        tail_shape = (s.n_kv_heads, nb_tail, s.block_size, self.row)
+        if self.tier_dir is not None:
+            self.tier = TierFile(self.tier_dir,
+                                 2 * s.n_layers * self.tail_bytes(tail_shape, dtype))
+            self.k_tail, self.v_tail, self._tier_off = [], [], []
+            for _ in range(s.n_layers):
+                (k, ko), (v, vo) = self.tier.array(tail_shape, dtype), self.tier.array(
+                    tail_shape, dtype)
+                self.k_tail.append(k)
+                self.v_tail.append(v)
+                self._tier_off.append((ko, vo))
+        else:
+            self.k_tail = [np.zeros(tail_shape, dtype) for _ in range(s.n_layers)]
+            self.v_tail = [np.zeros(tail_shape, dtype) for _ in range(s.n_layers)]
+
+    def detach_base(self, nb: int) -> None:
+        """Use only the base's first `nb` blocks: the rest, and the tail, are copied into a new
+        tail (RAM, or a new tier file) `nb_base - nb` blocks longer, so tokens from block `nb` on
+        can be rewritten (a context shift inside a /load-ed conversation). Memory for both tails
+        is held while copying."""
+        if nb >= self.nb_base:
+            return
+        old_tier = self.tier
+        moved, used = self.nb_base - nb, -(-self.length // self.shape.block_size) - self.nb_base
+        k_old, v_old = self.k_tail, self.v_tail
+        self._new_tail(self.nb_cap - nb)
+        for layer in range(self.shape.n_layers):
+            for new, base, old in ((self.k_tail, self.k_base, k_old),
+                                   (self.v_tail, self.v_base, v_old)):
+                new[layer][:, :moved] = base[layer][:, nb : self.nb_base]
+                new[layer][:, moved : moved + used] = old[layer][:, :used]
+        del k_old, v_old
+        if old_tier is not None:
+            self._maps.remove(old_tier.mmap)
+        if self.tier is not None:
+            self._maps.append(self.tier.mmap)
+        self.nb_base = nb
+        self._views = [None] * self.shape.n_layers  # the kernels' views of the old arrays
 
     @staticmethod
     def tail_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:

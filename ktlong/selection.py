@@ -261,3 +261,5 @@ class SelectionPolicy:
         full = n_tokens // self.bs
         self._dynamic_upto = [min(x, full) for x in self._dynamic_upto]
         self._preselect_upto = min(self._preselect_upto, full)
+        # blocks past the cut will hold other tokens (a new turn, or a context shift's)
+        self._preselected = {layer: pre[pre < full] for layer, pre in self._preselected.items()}

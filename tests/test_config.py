@@ -15,7 +15,8 @@ from ktlong.errors import KtlongError
 
 # docs/internals.md, "Settings": every key and its default (max_seq_len is machine-dependent)
 INTERNALS_DEFAULTS = dict(
-    chunk_size=0, kv_type="BF16", kv_tier="AUTO", device="AUTO", weight_type="AUTO",
+    chunk_size=0, kv_type="BF16", kv_tier="AUTO", overflow="SHIFT", device="AUTO",
+    weight_type="AUTO",
     prefill_matmul="AUTO",
     threads_num=0,
     attention="SPARSE",
