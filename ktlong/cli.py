@@ -54,9 +54,9 @@ DeviceOpt = Annotated[str | None, typer.Option(
     "--device", metavar="AUTO|CPU|CUDA", show_default=False, help="Where the model runs.")]
 PromptFilesOpt = Annotated[list[str] | None, typer.Option(
     "--prompt-file", "-f", metavar="FILE|DIR|-", show_default=False,
-    help="The document: .txt, .md, .pdf, .epub, .html or .docx (PDF needs ktlong[docs]); "
-         "repeat it, or give a folder, to read several, each introduced by its name; - reads "
-         "stdin.")]
+    help="The document: .txt, .md, .pdf, .epub, .html or .docx (PDF: pip install "
+         "'ktlong\\[docs]'); repeat it, or give a folder, to read several, each introduced by "
+         "its name; - reads stdin.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", "-t", show_default=False,
     help="CPU threads (0 = the cores idle when a prefill or an answer starts, at least the "
@@ -508,7 +508,7 @@ def tune_prefill(model: ModelOpt = None,
 # --- bench --------------------------------------------------------------------------------------
 PlotOpt = Annotated[Path | None, typer.Option(
     "--plot", metavar="FILE.png", show_default=False,
-    help="Also draw the results as a PNG (needs matplotlib: pip install 'ktlong[bench]'); "
+    help="Also draw the results as a PNG (needs matplotlib: pip install 'ktlong\\[bench]'); "
          "`ktlong bench plot` redraws a saved --json.")]
 PngOpt = Annotated[Path | None, typer.Option("--png", hidden=True, show_default=False,
                                              help="Old name of --plot.")]
