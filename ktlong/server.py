@@ -12,6 +12,16 @@ finish_reason; a usage chunk when `stream_options.include_usage`), then `data: [
 long prompt is prefilled, SSE comments (`: prefill DONE/TOTAL tokens`) keep the connection alive;
 clients ignore them. A client that leaves stops its request at the next token or prefill chunk.
 
+A chat longer than max_seq_len (`overflow: SHIFT`, the default) loses its oldest turns instead of
+a 400 (`serving.Renderer.fit`: never the system messages, the `-f` document or the last user
+message; the prompt keeps room for min(max_tokens, settings.max_new_tokens) tokens of answer),
+and an answer that fills the store drops more of them to go on. What went is told without
+breaking OpenAI clients: `usage.dropped_messages` and `usage.dropped_tokens` (extra fields), the
+header `X-Ktlong-Dropped-Messages` (the count before the answer began, for a stream), and an SSE
+comment when a stream's answer drops more. Only when the system messages and the last user
+message alone do not fit is it a 400 `context_length_exceeded`, as always with `overflow: STOP`
+and for /v1/completions (a raw prompt has no turns to drop).
+
 No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`Request`,
 imported with FastAPI inside `Server._build`, so the module imports without the extra).
 """
@@ -30,11 +40,12 @@ from ktlong import __version__
 from ktlong.config import Settings
 from ktlong.engine import Sampling, check_fits
 from ktlong.errors import KtlongError
-from ktlong.serving import Engine, Job, Prompt, Renderer
+from ktlong.serving import Engine, Fitted, Job, Prompt, Renderer
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4  # as OpenAI
 POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is still there
+DROPPED_HEADER = "X-Ktlong-Dropped-Messages"  # a chat's oldest messages left out (overflow SHIFT)
 
 
 def require() -> None:
@@ -231,8 +242,7 @@ class Server:
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
             body = await self._body(request)
-            msgs = _messages(body)
-            return await self._complete(request, body, "chat", lambda: self.renderer.chat(msgs))
+            return await self._complete(request, body, "chat", _messages(body))
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
@@ -244,8 +254,7 @@ class Server:
                 raise ApiError(400, "suffix is not supported", param="suffix",
                                code="unsupported_parameter")
             prompt = _prompt(body, self.engine.lm.spec.vocab_size)
-            return await self._complete(request, body, "text",
-                                        lambda: self.renderer.completion(prompt))
+            return await self._complete(request, body, "text", prompt)
 
         return app
 
@@ -285,33 +294,53 @@ class Server:
         self._check_model(body.get("model"))
         return body
 
-    async def _complete(self, request: Any, body: dict[str, Any], kind: str,
-                        render: Any) -> Any:
+    def _render(self, kind: str, what: Any, params: Params) -> tuple[Fitted, Any]:
+        """The request's prompt (a chat's without its oldest turns when it would not leave room
+        for the answer, with overflow SHIFT) and the job's `fit` (None: no turns to drop)."""
+        st = self.engine.settings
+        if kind != "chat":
+            return Fitted(self.renderer.completion(what)), None
+        if st.overflow != "SHIFT":
+            return Fitted(self.renderer.chat(what)), None
+        room = min(params.sampling.max_new_tokens, st.max_new_tokens)
+
+        def fit(limit: int) -> Fitted:
+            return self.renderer.fit(what, limit)
+
+        return fit(st.max_seq_len - room), fit
+
+    async def _complete(self, request: Any, body: dict[str, Any], kind: str, what: Any) -> Any:
         from fastapi.responses import JSONResponse, StreamingResponse
 
         params = _params(body, self.engine.settings)
         loop = asyncio.get_running_loop()
         try:  # tokenizing a long document takes a while: off the event loop
-            prompt: Prompt = await loop.run_in_executor(None, render)
+            fitted, fit = await loop.run_in_executor(None, self._render, kind, what, params)
         except KtlongError as e:
             raise ApiError(400, str(e), param="messages" if kind == "chat" else "prompt") \
                 from None
+        prompt: Prompt = fitted.prompt
         try:
             check_fits(self.engine.lm.spec, self.engine.settings, len(prompt.ids),
                        self.engine.settings.max_seq_len)
         except KtlongError as e:
-            raise ApiError(400, str(e), param="messages" if kind == "chat" else "prompt",
+            more = (f" (without its {fitted.dropped} oldest messages: the system messages, "
+                    "the served document and the last user message must fit)"
+                    if fitted.dropped else "")
+            raise ApiError(400, str(e) + more, param="messages" if kind == "chat" else "prompt",
                            code="context_length_exceeded") from None
+        dropped = [fitted.dropped, fitted.dropped_tokens] if kind == "chat" else None
+        headers = {DROPPED_HEADER: str(fitted.dropped)} if kind == "chat" else {}
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": self.model_id,
                 "system_fingerprint": f"ktlong-{__version__}"}
         if params.stream:
-            return StreamingResponse(self._stream(prompt, params, head, kind),
+            return StreamingResponse(self._stream(prompt, params, head, kind, fit, dropped),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
-        job, events = self._submit(prompt, params, loop)
+                                              "X-Accel-Buffering": "no", **headers})
+        job, events = self._submit(prompt, params, loop, fit, dropped)
         text, end = [], None
         try:
             while end is None:
@@ -337,18 +366,20 @@ class Server:
         else:
             choice = {"index": 0, "text": "".join(text), "logprobs": None,
                       "finish_reason": finish}
-        return {**head, "choices": [choice], "usage": usage}
+        if "dropped_messages" in usage:  # and more may have gone mid-answer
+            headers[DROPPED_HEADER] = str(usage["dropped_messages"])
+        return JSONResponse({**head, "choices": [choice], "usage": usage}, headers=headers)
 
-    def _submit(self, prompt: Prompt, params: Params,
-                loop: asyncio.AbstractEventLoop) -> tuple[Job, asyncio.Queue]:
+    def _submit(self, prompt: Prompt, params: Params, loop: asyncio.AbstractEventLoop,
+                fit: Any = None, dropped: list[int] | None = None) -> tuple[Job, asyncio.Queue]:
         events: asyncio.Queue = asyncio.Queue()
         job = Job(prompt, params.sampling, lambda ev: loop.call_soon_threadsafe(
-            events.put_nowait, ev), params.stop)
+            events.put_nowait, ev), params.stop, fit=fit, dropped=dropped)
         self.engine.submit(job)
         return job, events
 
-    async def _stream(self, prompt: Prompt, params: Params, head: dict[str, Any],
-                      kind: str) -> AsyncIterator[str]:
+    async def _stream(self, prompt: Prompt, params: Params, head: dict[str, Any], kind: str,
+                      fit: Any = None, dropped: list[int] | None = None) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if kind == "chat"
                 else "text_completion"}
 
@@ -360,12 +391,15 @@ class Server:
                           "finish_reason": finish}
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
-        job, events = self._submit(prompt, params, asyncio.get_running_loop())
+        job, events = self._submit(prompt, params, asyncio.get_running_loop(), fit, dropped)
         try:
             while True:
                 ev = await events.get()
                 if ev[0] == "progress":
                     yield f": prefill {ev[1]}/{ev[2]} tokens\n\n"
+                elif ev[0] == "shift":
+                    yield (f": context full: the oldest {ev[1]} messages ({ev[2]} tokens) are "
+                           "left out now\n\n")
                 elif ev[0] == "start":
                     if kind == "chat":
                         yield chunk(role="assistant", content="")

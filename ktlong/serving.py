@@ -13,6 +13,14 @@ than the prompt cache on disk has, a session opened from the cache (`open_docume
 reports through `emit(event)`: ("progress", done, total), ("start", prompt_tokens,
 cached_tokens), ("text", str), ("end", finish_reason, usage), ("error", exception). Setting its
 `cancel` event stops it at the next token or prefill chunk and frees the engine.
+
+Context shift (`overflow: SHIFT`, chat requests only): `Renderer.fit` leaves out the oldest
+non-system messages, whole turns at a time (a user message and what follows it up to the next
+one; never a system message, the `-f` document or the last user message), until the prompt leaves
+room for the answer. The engine reuses the K,V of the kept turns when the live store holds them
+(`Session.shift_to`: moved down, keys re-rotated, as `ktlong chat` does), and an answer that fills
+the store asks `Job.fit` for a prompt without more turns (generate's `make_room`). A job reports
+a mid-answer shift as ("shift", dropped_messages, dropped_tokens).
 """
 from __future__ import annotations
 
@@ -46,6 +54,15 @@ class Cancelled(Exception):
 class Prompt:
     ids: list[int]
     prefix: int = 0  # leading ids worth keeping in the prompt cache on disk (0: none)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A chat prompt without its `dropped` oldest non-system messages (`Renderer.fit`)."""
+
+    prompt: Prompt
+    dropped: int = 0  # messages left out
+    dropped_tokens: int = 0  # the full prompt's tokens minus the kept one's
 
 
 class Renderer:
@@ -111,6 +128,37 @@ class Renderer:
                     head, rest = lead, text[len(lead):]
         ids = self._prefix_ids(head) if head else []
         return Prompt(ids + self.encode(rest), len(ids))
+
+    def fit(self, messages: list[dict[str, str]], limit: int) -> Fitted:
+        """`chat(messages)` without as few of the oldest turns as leave it at most `limit`
+        tokens (all of them when even that is too long: the caller checks the length). A turn
+        is a user message and the messages after it up to the next user message (an assistant
+        message before the first user message is one too); system messages, the `-f` document
+        and the last user message with what follows it are never left out."""
+        with self._lock:
+            msgs = [dict(m) for m in messages]
+            full = self._chat(msgs)
+            if len(full.ids) <= limit:
+                return Fitted(full)
+            rest = [i for i, m in enumerate(msgs) if m["role"] != "system"]
+            cuts = [k for k, i in enumerate(rest) if k > 0 and msgs[i]["role"] == "user"]
+            if not cuts:
+                return Fitted(full)
+
+            def without(k: int) -> Prompt:
+                gone = set(rest[:k])
+                return self._chat([m for i, m in enumerate(msgs) if i not in gone])
+
+            lo, hi, best = 0, len(cuts) - 1, None  # the fewest turns: a binary search
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                p = without(cuts[mid])
+                if len(p.ids) <= limit:
+                    best, hi = (cuts[mid], p), mid - 1
+                else:
+                    lo = mid + 1
+            k, p = best if best is not None else (cuts[-1], without(cuts[-1]))
+            return Fitted(p, k, len(full.ids) - len(p.ids))
 
     def _with_document(self, msgs: list[dict[str, str]]) -> list[dict[str, str]]:
         if not self.document:
@@ -187,6 +235,10 @@ class Job:
     emit: Callable[[Event], None]
     stop: list[str] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
+    # a chat's messages fitted to a token limit (Renderer.fit): set with overflow SHIFT
+    fit: Callable[[int], Fitted] | None = None
+    dropped: list[int] | None = None  # a chat's [messages, tokens] left out so far
+    moved: int = 0  # tokens whose K,V a context shift moved (reused) for this job
 
 
 class Engine:
@@ -200,6 +252,7 @@ class Engine:
         self.current: Job | None = None
         self.last: dict[str, Any] = {}  # numbers of the last finished job
         self.notes: list[str] = []  # prompt-cache notes (a damaged entry recomputed, ...)
+        self.prompt_len = 0  # the live store's first tokens that were a rendered prompt
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ktlong-engine", daemon=True)
         self._thread.start()
@@ -260,6 +313,7 @@ class Engine:
         t0 = time.perf_counter()
         s, prefilled = self._prepare(job)
         ids = job.prompt.ids
+        self.prompt_len = len(ids)
         prefill_s = time.perf_counter() - t0
         cached = len(ids) - prefilled
         job.emit(("start", len(ids), cached))
@@ -267,19 +321,25 @@ class Engine:
         if job.sampling is not None:
             finish, n_new = self._generate(s, job)
         decode_s = time.perf_counter() - t0 - prefill_s
-        usage = {"prompt_tokens": len(ids), "completion_tokens": n_new,
-                 "total_tokens": len(ids) + n_new,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        usage: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": n_new,
+                                 "total_tokens": len(ids) + n_new,
+                                 "prompt_tokens_details": {"cached_tokens": cached}}
+        dropped = job.dropped or [0, 0]
+        if job.dropped is not None:  # a chat: what overflow SHIFT left out (0: nothing)
+            usage.update(dropped_messages=dropped[0], dropped_tokens=dropped[1])
         self.last = {"prompt_tokens": len(ids), "cached_tokens": cached,
                      "prefilled_tokens": prefilled, "prefill_s": round(prefill_s, 3),
                      "completion_tokens": n_new, "finish_reason": finish,
-                     "decode_tok_s": round(n_new / decode_s, 2) if decode_s > 0 else 0.0}
+                     "decode_tok_s": round(n_new / decode_s, 2) if decode_s > 0 else 0.0,
+                     "dropped_messages": dropped[0], "dropped_tokens": dropped[1],
+                     "moved_tokens": job.moved}
         job.emit(("end", finish, usage))
 
     def _generate(self, s: Session, job: Job) -> tuple[str, int]:
         """Decode until EOS, a stop string, max_tokens, a full store or a cancel."""
         text, finish, n = StopText(job.stop), "length", 0
-        steps = s.generate(job.sampling)  # type: ignore[arg-type]
+        make_room = self._make_room(s, job) if job.fit is not None else None
+        steps = s.generate(job.sampling, make_room)  # type: ignore[arg-type]
         try:
             for step in steps:
                 if step.token_id in self.lm.eos_ids:
@@ -293,7 +353,7 @@ class Engine:
                     return "stop", n
                 if job.cancel.is_set():
                     return "cancelled", n
-        except KtlongError:  # the store is full (max_seq_len) mid-answer
+        except KtlongError:  # the store is full (max_seq_len) mid-answer, no turn left to drop
             s.truncate(len(s.tokens))
             finish = "length"
         finally:
@@ -302,6 +362,52 @@ class Engine:
         if tail:
             job.emit(("text", tail))
         return finish, n
+
+    def _make_room(self, s: Session, job: Job) -> Callable[[int], None]:
+        """generate's hook when the store is full mid-answer: the prompt without more of its
+        oldest turns (`job.fit`), leaving room for the `left` tokens the answer may still take,
+        and the store shifted to it (the kept turns' and the answer's K,V moved when they can
+        be, else prefilled). Nothing more to drop: it returns and the store refuses the token."""
+        prompt = [job.prompt.ids]  # the prompt the store holds now
+
+        def make_room(left: int) -> None:
+            assert job.fit is not None and job.dropped is not None
+            answer = s.tokens[len(prompt[0]):]
+            fitted = job.fit(s.store.capacity - left - 1 - len(answer))
+            if fitted.dropped <= job.dropped[0]:
+                return
+            ids = fitted.prompt.ids + answer
+            if s.common_prefix(ids) < s.store.nb_base * s.store.shape.block_size:
+                return  # the mapped base (a cached document) cannot be rewritten
+            job.moved += self._shift(s, ids, fitted.prompt.prefix)[0]
+            if len(s.tokens) < len(ids):  # the rest (or all: nothing was reusable) prefilled
+                s.extend_to(ids, self._progress(job))
+            prompt[0] = fitted.prompt.ids
+            self.prompt_len = len(fitted.prompt.ids)
+            job.dropped[:] = [fitted.dropped, fitted.dropped_tokens]
+            job.emit(("shift", fitted.dropped, fitted.dropped_tokens))
+
+        return make_room
+
+    def _shift(self, s: Session, ids: list[int], prefix: int,
+               cut: int = 0) -> tuple[int, int]:
+        """`s.shift_to(ids)` when it keeps the prompt's cacheable prefix (and the mapped base)
+        in place and reuses a run of the store's tokens; returns (tokens moved, gap tokens
+        prefilled), (0, 0) when nothing was done (the caller prefills as usual). The run must
+        end with the store's last token; when the store's tail is not in `ids` (the last answer,
+        sent back as text, tokenizes otherwise), the store cut back to its first `cut` tokens
+        (the prompt it answered) is tried too."""
+        from ktlong import shift
+
+        base = s.store.nb_base * s.store.shape.block_size
+        for n in (len(s.tokens), cut) if base < cut < len(s.tokens) else (len(s.tokens),):
+            plan = shift.plan(s.tokens[:n], ids)
+            if plan is not None and plan.keep >= max(base, prefix):
+                if n < len(s.tokens):
+                    s.truncate(n)
+                s.shift_to(ids)
+                return plan.moved, len(plan.gap)
+        return 0, 0
 
     def _progress(self, job: Job) -> Callable[[int, int], None]:
         last = [time.monotonic()]  # a prefill shorter than PROGRESS_EVERY_S reports nothing
@@ -324,14 +430,20 @@ class Engine:
         check_fits(self.lm.spec, self.settings, len(ids), self.settings.max_seq_len)
         progress = self._progress(job)
         disk = self.use_cache and p >= CACHE_MIN_TOKENS
-        s = self.session
+        s, shifted = self.session, 0
+        if s is not None and job.fit is not None and job.dropped and job.dropped[0]:
+            # the request left out its oldest turns: the store may hold the kept ones after them
+            moved, shifted = self._shift(s, ids, p, self.prompt_len)
+            job.moved += moved
+            if moved:  # its logits are the last token's before the move: fed again
+                s.logits = None
         if s is not None:
             keep = s.common_prefix(ids)
             if not (keep == len(ids) == len(s.tokens) and s.logits is not None):
                 keep = min(keep, len(ids) - 1)  # the last id is fed again for its logits
             base = s.store.nb_base * s.store.shape.block_size  # read-only: cannot be cut
             if keep >= base and (not disk or keep >= p or keep >= self._on_disk(ids[:p])):
-                prefilled = 0
+                prefilled = shifted
                 if disk and keep < p:  # the prefix goes to disk for the next start too
                     prefilled += _extend(s, ids[:p], progress)
                     self._store(s)

@@ -353,6 +353,233 @@ def test_serve_command_reads_the_document_at_start(lm, tmp_path) -> None:
     assert "serving tiny at" in err
 
 
+# --- context shift: a chat longer than max_seq_len (overflow SHIFT) -----------------------------
+
+CAP = 512  # max_seq_len of the shift tests
+SHORT_DOC = filler_text(80, seed=3)  # ~100 tokens: the system message, never dropped
+QS = [f"Question {i}: {filler_text(30, seed=200 + i)}?" for i in range(60)]
+
+
+def kept(msgs: list[dict[str, str]], dropped: int) -> list[dict[str, str]]:
+    """`msgs` without their `dropped` oldest non-system messages (what the server answered)."""
+    gone = [i for i, m in enumerate(msgs) if m["role"] != "system"][:dropped]
+    return [m for i, m in enumerate(msgs) if i not in gone]
+
+
+def talk(r, msgs: list[dict[str, str]], stream: bool, **kw) -> tuple[str, str, dict, int]:  # type: ignore[no-untyped-def]
+    """One chat request with the openai client: (text, finish_reason, usage as a dict, the
+    X-Ktlong-Dropped-Messages header)."""
+    c = client(r).chat.completions.with_raw_response
+    raw = c.create(model=r.server.model_id, messages=msgs, stream=stream,  # type: ignore[arg-type]
+                   **({"stream_options": {"include_usage": True}} if stream else {}), **kw)
+    header = int(raw.headers[server_mod.DROPPED_HEADER])
+    if not stream:
+        out = raw.parse()
+        return (out.choices[0].message.content, out.choices[0].finish_reason,
+                out.usage.model_dump(), header)
+    chunks = list(raw.parse())
+    body = [ch for ch in chunks if ch.choices]
+    text = "".join(ch.choices[0].delta.content or "" for ch in body)
+    return text, body[-1].choices[0].finish_reason, chunks[-1].usage.model_dump(), header
+
+
+def check_store(lm, srv, msgs: list[dict[str, str]], usage: dict) -> list[int]:  # type: ignore[no-untyped-def]
+    """The live store holds the kept messages' prompt and the answer (but its last token), and
+    every layer as many tokens; returns the kept prompt's ids."""
+    doc = srv.server.renderer.document  # -f: it opens the first kept user message
+    rest = kept(msgs, usage["dropped_messages"])
+    ids = Renderer(lm.tokenizer, doc).chat(rest).ids if doc else chat_ids(lm, rest)
+    s = srv.server.engine.session
+    assert len(ids) <= usage["prompt_tokens"]  # a mid-answer shift may have dropped more since
+    assert s.tokens[: len(ids)] == ids
+    assert len(s.tokens) == len(ids) + usage["completion_tokens"] - 1
+    assert set(s.store.lengths) == {len(s.tokens)} and len(s.tokens) <= CAP
+    return ids
+
+
+@pytest.mark.parametrize("stream, document", [(False, False), (True, False), (False, True)],
+                         ids=["json", "stream", "prompt-file"])
+def test_a_chat_three_times_past_max_seq_len_keeps_answering(lm, tmp_path, stream,
+                                                             document) -> None:
+    """2 layers: every answer has its full length, the store matches the kept conversation (the
+    system message, or the -f document, never dropped) and the kept turns' K,V were moved, not
+    prefilled again; where nothing was moved (here: a new server) the answer is a fresh
+    Session's on the kept messages, token for token."""
+    endless = dataclasses.replace(lm, eos_ids=())  # every answer is max_tokens long
+    doc = SHORT_DOC if document else ""
+    st = settings(**{**ST, "max_seq_len": CAP})
+    msgs = [] if document else [{"role": "system", "content": SHORT_DOC}]
+
+    def full(m: list[dict[str, str]]) -> list[int]:
+        return Renderer(lm.tokenizer, doc).chat(m).ids if document else chat_ids(lm, m)
+
+    total, moved, drops = 0, 0, []
+    with server_mod.Running(server_mod.build(endless, st, doc, cache_dir=tmp_path)) as r:
+        for q in QS:
+            msgs.append({"role": "user", "content": q})
+            text, finish, usage, header = talk(r, msgs, stream, max_tokens=NEW)
+            assert (finish, usage["completion_tokens"]) == ("length", NEW) and text
+            assert header == usage["dropped_messages"] <= len(msgs) - 1 - (not document)
+            ids = check_store(endless, r, msgs, usage)
+            assert len(ids) + NEW <= CAP  # room for the answer was kept before it began
+            last = httpx.get(f"{r.url}/health").json()["last"]
+            assert last["dropped_messages"] == usage["dropped_messages"]
+            if usage["dropped_messages"]:
+                drops.append(usage["dropped_messages"])
+                assert usage["dropped_tokens"] == len(full(msgs)) - len(ids)
+            if last["moved_tokens"]:
+                moved += 1
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= last["moved_tokens"]
+            elif usage["dropped_messages"]:  # recomputed: exact
+                assert text == greedy(endless, ids)[0]
+            msgs.append({"role": "assistant", "content": text})
+            total = len(full(msgs[:-1])) + NEW
+            if total > 3 * CAP:
+                break
+    assert total > 3 * CAP, "the conversation never got 3x past max_seq_len"
+    assert len(drops) >= 5 and drops == sorted(drops) and drops[-1] >= 10
+    assert moved >= 3  # the kept turns' K,V were moved, not prefilled again
+
+    # a new server has no store to shift: it prefills the kept messages and answers as a fresh
+    # Session does
+    msgs.append({"role": "user", "content": "And the pass key?"})
+    with server_mod.Running(server_mod.build(endless, st, doc, use_cache=False)) as r:
+        text, _, usage, _ = talk(r, msgs, stream, max_tokens=NEW)
+        ids = check_store(endless, r, msgs, usage)
+        assert httpx.get(f"{r.url}/health").json()["last"]["moved_tokens"] == 0
+    assert usage["dropped_messages"] >= drops[-1] and text == greedy(endless, ids)[0]
+
+
+def test_answers_after_a_shift_equal_a_fresh_prefill_of_the_kept_messages(tmp_path) -> None:
+    """One layer, dense, float32 KV: the shifted store's logits equal a fresh prefill's
+    (tests/test_shift.py: 1e-4 of the largest logit), so every served answer, moved or not,
+    is a fresh Session's on the kept messages, token for token."""
+    lm1 = load_model(hf_model("llama", qk_scale=4.0, layers=1, head_dim=32), device="CPU",
+                     dtype="float32")
+    lm1 = dataclasses.replace(lm1, eos_ids=())
+    srv = server_mod.build(lm1, settings(**{**ST, "max_seq_len": CAP}), cache_dir=tmp_path)
+    msgs = [{"role": "system", "content": SHORT_DOC}]
+    moved = 0
+    with server_mod.Running(srv) as r:
+        for q in QS[:24]:
+            msgs.append({"role": "user", "content": q})
+            text, finish, usage, _ = talk(r, msgs, False, max_tokens=NEW)
+            ids = check_store(lm1, r, msgs, usage)
+            assert text == greedy(lm1, ids)[0]
+            moved += httpx.get(f"{r.url}/health").json()["last"]["moved_tokens"] > 0
+            msgs.append({"role": "assistant", "content": text})
+    assert usage["dropped_messages"] >= 10 and moved >= 3
+
+
+def test_a_long_answer_drops_more_turns_as_it_goes(lm, tmp_path) -> None:
+    """max_tokens past the room kept before the answer (settings.max_new_tokens): the answer
+    fills the store, older turns go mid-answer (make_room) and it runs to max_tokens; with no
+    older turn left it ends with "length" as before."""
+    endless = dataclasses.replace(lm, eos_ids=())
+    srv = server_mod.build(endless, settings(**{**ST, "max_seq_len": CAP}), cache_dir=tmp_path)
+    msgs = [{"role": "system", "content": SHORT_DOC}]
+    with server_mod.Running(srv) as r:
+        for q in QS[:6]:  # ~420 tokens of turns
+            msgs.append({"role": "user", "content": q})
+            text, *_ = talk(r, msgs, False, max_tokens=NEW)
+            msgs.append({"role": "assistant", "content": text})
+        msgs.append({"role": "user", "content": QS[6]})
+        before = srv.renderer.fit(msgs, CAP - NEW).dropped
+        text, finish, usage, header = talk(r, msgs, False, max_tokens=200)
+        assert (finish, usage["completion_tokens"]) == ("length", 200)
+        assert usage["dropped_messages"] > before and header == usage["dropped_messages"]
+        check_store(endless, r, msgs, usage)
+
+        # streamed: the header has the count before the answer, usage the final one, and an SSE
+        # comment tells the shift as it happens
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": QS[7]}]
+        body = {"model": srv.model_id, "messages": msgs, "stream": True, "max_tokens": 200,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{r.url}/v1/chat/completions", json=body,
+                          timeout=120) as resp:
+            header = int(resp.headers[server_mod.DROPPED_HEADER])
+            raw = resp.read().decode()
+        events = [e for e in raw.split("\n\n") if e]
+        assert any(e.startswith(": context full: the oldest") for e in events), raw
+        usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 200 and usage["dropped_messages"] > header
+        check_store(endless, r, msgs, usage)
+
+        # one question, nothing older to drop: the store fills and the answer ends
+        one = [{"role": "system", "content": SHORT_DOC}, {"role": "user", "content": QS[0]}]
+        text, finish, usage, header = talk(r, one, False, max_tokens=1000)
+        assert finish == "length" and usage["completion_tokens"] < 1000
+        assert usage["dropped_messages"] == header == 0
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == CAP  # the store is full
+        s = srv.engine.session
+        assert len(s.tokens) == CAP and set(s.store.lengths) == {CAP}
+
+
+def test_overflow_stop_and_what_cannot_fit_keep_the_400(lm, tmp_path) -> None:
+    msgs = [{"role": "system", "content": SHORT_DOC}]
+    srv = server_mod.build(lm, settings(**{**ST, "max_seq_len": CAP, "overflow": "STOP"}),
+                           cache_dir=tmp_path)
+    with server_mod.Running(srv) as r:
+        for q in QS:
+            msgs.append({"role": "user", "content": q})
+            resp = httpx.post(f"{r.url}/v1/chat/completions", timeout=60, json={
+                "model": srv.model_id, "messages": msgs, "max_tokens": NEW})
+            if resp.status_code != 200:
+                break
+            out = resp.json()
+            assert out["usage"]["dropped_messages"] == 0
+            assert resp.headers[server_mod.DROPPED_HEADER] == "0"
+            msgs.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        else:
+            pytest.fail("the conversation never filled the context")
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        assert len(chat_ids(lm, msgs)) > CAP
+
+    # SHIFT: when the system message and the last question alone are too long, still the 400;
+    # a raw completion prompt has no turns to drop
+    srv = server_mod.build(lm, settings(**{**ST, "max_seq_len": CAP}), cache_dir=tmp_path)
+    with server_mod.Running(srv) as r:
+        big = msgs[:-1] + [{"role": "user", "content": filler_text(500, seed=9)}]
+        resp = httpx.post(f"{r.url}/v1/chat/completions", timeout=60, json={
+            "model": srv.model_id, "messages": big, "max_tokens": NEW})
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["code"] == "context_length_exceeded"
+        assert f"without its {len(big) - 2} oldest messages" in err["message"]
+        resp = httpx.post(f"{r.url}/v1/completions", timeout=60, json={
+            "model": srv.model_id, "prompt": filler_text(500, seed=9), "max_tokens": NEW})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        # the SHIFT server answers the conversation the STOP one refused
+        out = client(r).chat.completions.create(model=srv.model_id, messages=msgs,  # type: ignore[arg-type]
+                                                max_tokens=NEW)
+        assert out.usage.dropped_messages > 0 and out.choices[0].finish_reason
+
+
+def test_fit_drops_whole_turns_never_system_or_the_last_question(lm) -> None:
+    r = Renderer(lm.tokenizer)
+    msgs = [{"role": "system", "content": SHORT_DOC}, {"role": "assistant", "content": "Hi."}]
+    for q in QS[:5]:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": "Yes."}]
+    msgs += [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QS[5]}]
+    full = r.chat(msgs)
+    assert r.fit(msgs, len(full.ids)) == server_mod.Fitted(full)
+    sizes = []
+    for limit in range(len(full.ids) - 1, 0, -25):
+        f = r.fit(msgs, limit)
+        k = f.dropped
+        rest = [m for m in msgs if m["role"] != "system"]
+        assert k % 2 == 1  # the greeting, then user + assistant pairs: whole turns
+        assert rest[k]["role"] == "user" and k <= len(rest) - 1
+        assert f.prompt == r.chat(kept(msgs, k))  # both system messages stay
+        assert f.dropped_tokens == len(full.ids) - len(f.prompt.ids)
+        fewer = r.chat(kept(msgs, k - 2)) if k > 1 else full
+        assert len(fewer.ids) > limit  # the fewest turns that fit
+        assert len(f.prompt.ids) <= limit or k == len(rest) - 1
+        sizes.append(k)
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 11
+
+
 # --- bad requests: a 4xx with an OpenAI error body, never a 500 ----------------------------------
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
