@@ -74,10 +74,11 @@ class Settings:
     chunk_size: int = _f("int", 0, "memory", "Prefill chunk in tokens; bigger needs more memory "
                          f"for activations; 0 = {CHUNK_AUTO[True]} on CUDA, {CHUNK_AUTO[False]} "
                          "on the CPU", 0)
-    overflow: str = _f("enum", "SHIFT", "memory", "When a chat's next turn would pass "
-                       "max_seq_len: SHIFT drops the oldest turns (never the document or the "
-                       "question) and moves the later ones' keys to their new positions "
-                       "(llama.cpp's context shift); STOP ends with 'context full'",
+    overflow: str = _f("enum", "SHIFT", "memory", "When a chat's (or a served "
+                       "request's) next turn would pass max_seq_len: SHIFT drops the oldest "
+                       "turns (never the document, system messages or the question) and moves "
+                       "the later ones' keys to their new positions (llama.cpp's context "
+                       "shift); STOP ends with 'context full' (serve: a 400)",
                        choices=("SHIFT", "STOP"))
     # runtime
     device: str = _f("enum", "AUTO", "runtime", "Where the model runs; AUTO uses CUDA if present",
