@@ -13,7 +13,7 @@ from typing import Any
 MODEL_DIR = Path(__file__).parent / "model"
 DEMO_TOKENS = 16384
 # The demo model's windowed prefill on the CPU, per core: a 128K-token document took ~35 s on
-# 2 cores (docs/benchmarks.md, session 9). Attention dominates, so an exact prefill (every
+# 2 cores (docs/benchmarks.md). Attention dominates, so an exact prefill (every
 # earlier token) takes longer, growing with the square of the length.
 PREFILL_TOK_S_PER_CORE = 1800
 
