@@ -71,9 +71,12 @@ def check_kv_type(kv_type: str, head_dim: int) -> None:
 def _torch_view(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A numpy array as a torch tensor without a copy (read-only arrays too: only read)."""
     a = np.ascontiguousarray(a)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+    if a.flags.writeable:
         t = torch.from_numpy(a)
+    else:  # a cache-mapped array: torch warns that it is read-only; it is only read
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
     return t if dtype is None else t.view(dtype)
 
 
@@ -173,10 +176,9 @@ class TierFile:
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, int]:
         """The next `shape` array of the file (page-aligned), and its offset in the file."""
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         off = self.offset
         a = np.frombuffer(self.mmap, dtype, int(np.prod(shape)), off).reshape(shape)
-        self.offset += -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.offset += KVStore.tail_bytes(shape, dtype)
         return a, off
 
     def prefetch(self, runs: list[tuple[int, int]]) -> None:
@@ -407,7 +409,8 @@ class KVStore:
         `[heads, end - start, d]` (copies)."""
         k, v = self.row_range(layer, start, end, heads)
         kt, vt = from_storage(k, self.shape.kv_type), from_storage(v, self.shape.kv_type)
-        self.check_resident()  # a dense sweep over mapped KV reads it segment by segment
+        if start < self.nb_base * self.shape.block_size or self.tier is not None:
+            self.check_resident()  # a dense sweep over mapped KV reads it segment by segment
         return kt, vt
 
     def kernel_views(self, layer: int) -> tuple[kernels.LayerKV, kernels.AnchorView]:

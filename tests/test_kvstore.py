@@ -67,6 +67,13 @@ def test_two_round_trips_change_nothing():
         np.testing.assert_array_equal(to_storage(from_storage(once, kv_type), kv_type), once)
 
 
+@pytest.mark.parametrize("kv_type", list(KV_TYPES))
+def test_memcheck_sizes_rows_as_the_store_does(kv_type):
+    """memory.kv_row_bytes (kept free of the kernels' import) equals the kernels' row format."""
+    for d in (32, 64, 96, 128, 256):
+        assert kv_row_bytes(kv_type, d) == kvquant.row_bytes(KV_TYPES[kv_type][2], d)
+
+
 def test_a_head_dim_that_is_not_whole_blocks_is_refused_in_one_line():
     with pytest.raises(KtlongError, match="multiple of 32.*80"):
         KVStore(StoreShape(1, 1, 80, 16, "Q8_0", 1), 64)
