@@ -677,26 +677,47 @@ def bench_accuracy(model: ModelOpt = None,
                        help="Document lengths in tokens, comma-separated (K suffix allowed).")]
                    = "2K,4K,16K,32K",
                    samples: Annotated[int, typer.Option(
-                       min=1, help="Documents per length (each asks all three tasks).")] = 20,
+                       min=1, help="Documents per length (each asks every task once).")] = 20,
                    profiles: Annotated[str, typer.Option(
                        help="Profiles to compare, comma-separated.")]
                    = "dense,default,quest,kvretrieval,streamingllm",
+                   task_list: Annotated[str, typer.Option(
+                       "--tasks", help="Tasks to ask, comma-separated: passkey, kv, needle, "
+                       "multineedle (several needles in one document, one asked).")]
+                   = "passkey,kv,needle",
+                   haystack: Annotated[str, typer.Option(
+                       help="What the facts hide in: filler (random words, what the demo model "
+                            "was trained on) or prose (a generated story).")] = "filler",
                    plot: PlotOpt = None, png: PngOpt = None,
                    seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
                    threads: ThreadsOpt = 0,
                    as_json: JsonOpt = False) -> None:
     """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
+    from ktlong.demo import tasks
+
+    task_names = list(dict.fromkeys(t.strip().lower() for t in task_list.split(",") if t.strip()))
+    bad = [t for t in task_names if t not in tasks.ALL_TASKS]
+    if bad or not task_names:
+        raise KtlongError(f"--tasks {task_list!r}: "
+                          + (f"unknown {', '.join(bad)}" if bad else "no task given"),
+                          hint=f"tasks: {', '.join(tasks.ALL_TASKS)}")
+    if haystack not in tasks.HAYSTACKS:
+        raise KtlongError(f"--haystack {haystack!r}: unknown",
+                          hint=f"haystacks: {', '.join(tasks.HAYSTACKS)}")
     plot_file = _plot_file(plot, png)
     from ktlong.demo import accuracy
 
     names = [p.strip() for p in profiles.split(",") if p.strip()]
     for p in names:
         resolve_settings(p, {})  # an unknown profile fails here, before loading anything
+    asked = ",".join(task_names)
     command = (f"ktlong bench accuracy{f' --model {model}' if model else ''} --lengths {lengths} "
                f"--samples {samples} --profiles {','.join(names)}"
+               f"{'' if task_names == list(tasks.TASKS) else f' --tasks {asked}'}"
+               f"{'' if haystack == 'filler' else f' --haystack {haystack}'}"
                f"{f' --seed {seed}' if seed else ''}{f' -t {threads}' if threads else ''}")
     accuracy.main(model, _lengths(lengths), samples, names, as_json, plot_file, threads, seed,
-                  command)
+                  command, task_names, haystack)
 
 
 @bench_app.command("cache")

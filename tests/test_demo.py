@@ -135,6 +135,17 @@ def test_bench_accuracy_cli_json() -> None:
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert {x["task"] for x in out["records"]} == set(tasks.TASKS)
+    assert out["haystack"] == "filler" and out["tasks"] == list(tasks.TASKS)
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--lengths", "1K", "--samples", "1",
+                                 "--profiles", "dense", "--haystack", "prose",
+                                 "--tasks", "needle,multineedle", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["haystack"] == "prose" and out["tasks"] == ["needle", "multineedle"]
+    assert "--haystack prose" in out["command"] and "--tasks needle,multineedle" in out["command"]
+    assert [x["task"] for x in out["records"]] == ["needle", "multineedle"]
+    assert [(c["task"], c["n"]) for c in out["summary"]] == [("needle", 1), ("multineedle", 1)]
+    assert all(0 <= c["ci95"][0] <= c["pct"] <= c["ci95"][1] <= 100 for c in out["summary"])
 
 
 def test_bench_accuracy_rejects_an_unknown_profile() -> None:

@@ -1,11 +1,13 @@
 """`ktlong bench accuracy`: passkey, kv-retrieval and needle accuracy per profile and length.
 
-Each document (ktlong.demo.tasks.make_mixed) hides one pass key, several key-value records and one
-needle; sample i of n puts the asked facts at depths (i + 0.5) / n, shifted by a third per task,
-so every (length, task) cell covers the depths evenly. The three questions are asked one at a time
-after the document, exactly as `ktlong chat` asks them: Conversation renders the prompt, the
-document is prefilled (chunked; exact, windowed or sparse as the profile's `prefill` says), and each
-question is appended to it.
+Each document (ktlong.demo.tasks.make_mixed) hides one asked fact per task (by default a pass key,
+several key-value records and one needle; `multineedle` adds several needles and asks for one) in
+a haystack of filler or of generated prose; sample i of n puts the asked facts at depths
+(i + 0.5) / n, shifted by 1/len(tasks) per task, so every (length, task) cell covers the depths
+evenly. The questions are asked one at a time after the document, exactly as `ktlong chat` asks
+them: Conversation renders the prompt, the document is prefilled (chunked; exact, windowed or
+sparse as the profile's `prefill` says), and each question is appended to it. Each cell reports
+its share of right answers with a Wilson 95% interval.
 
 Selection settings do not change the KV cache, so the document is prefilled once per distinct
 prefill (`prefill` and the keys of its mode, and `kv_type`) and its K, V copied into a fresh store
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections import defaultdict
@@ -43,9 +46,21 @@ class Record:
     attended: float  # share of context blocks read per decode step
 
 
-def depths_for(i: int, n: int) -> dict[str, float]:
+def depths_for(i: int, n: int, task_names: Sequence[str] = tasks.TASKS) -> dict[str, float]:
+    """Sample i of n: task -> depth of its asked fact, (i + 0.5) / n shifted by j / len(tasks)
+    for the j-th task, so each task's depths cover the document evenly over the n samples."""
     base = (i + 0.5) / n
-    return {t: (base + j / len(tasks.TASKS)) % 1.0 for j, t in enumerate(tasks.TASKS)}
+    return {t: (base + j / len(task_names)) % 1.0 for j, t in enumerate(task_names)}
+
+
+def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a share `right` / `n` (95% for z = 1.96); (0, 1) for n = 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = right / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 PREFILL_KEYS = ("prefill", "prefill_window", "init_len", "prefill_vertical", "prefill_slash",
@@ -71,13 +86,15 @@ def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
     for layer in range(shape.n_layers):
         k, v = src.token_range(layer, 0, n)
         dst.write(layer, k, v)
+    dst.copy_layer_cos(src)  # the layers' similarities: layer_budget SQUEEZE reads them
     return dst
 
 
 def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
-        seed: int = 0, threads: int = 0,
-        report: Callable[[str], None] | None = None) -> list[Record]:
-    """Every (length, sample, task, profile); `report` gets one line per document."""
+        seed: int = 0, threads: int = 0, report: Callable[[str], None] | None = None,
+        task_names: Sequence[str] = tasks.TASKS, haystack: str = "filler") -> list[Record]:
+    """Every (length, sample, task, profile); `report` gets one line per document.
+    `task_names`: of tasks.ALL_TASKS; `haystack`: of tasks.HAYSTACKS."""
     from ktlong.config import resolve_settings
     from ktlong.conversation import Conversation
     from ktlong.engine import Sampling, Session
@@ -105,7 +122,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
         for i in range(samples):
             t0 = time.perf_counter()
             sample = tasks.make_mixed(seed * 1_000_003 + n_tok * 101 + i, n_tok,
-                                      depths_for(i, samples), count=count)
+                                      depths_for(i, samples, task_names), count=count,
+                                      haystack=haystack)
             conv = Conversation(tok, sample.document)
             doc_ids = conv.document_ids()
             prefilled = {}
@@ -168,18 +186,40 @@ def summarise(records: Sequence[Record]) -> dict[str, Any]:
     return {"cells": dict(cells), "depth": dict(depth)}
 
 
+def summary(records: Sequence[Record]) -> list[dict[str, Any]]:
+    """One entry per (length, task, profile) cell: right, n, pct and its Wilson 95% interval
+    (`ci95`, in % as pct is), in the order of the records."""
+    out = []
+    for (length, task, profile), (right, n) in summarise(records)["cells"].items():
+        lo, hi = wilson(right, n)
+        out.append({"length": length, "task": task, "profile": profile, "right": right, "n": n,
+                    "pct": round(100 * right / n, 1),
+                    "ci95": [round(100 * lo, 1), round(100 * hi, 1)]})
+    return out
+
+
 def _pct(c: list[int]) -> str:
-    return f"{100 * c[0] / c[1]:.0f}" if c[1] else "-"
+    """`95 (76-99)`: % right and its Wilson 95% interval."""
+    if not c[1]:
+        return "-"
+    lo, hi = wilson(c[0], c[1])
+    return f"{100 * c[0] / c[1]:.0f} ({100 * lo:.0f}-{100 * hi:.0f})"
+
+
+def _task_order(records: Sequence[Record]) -> list[str]:
+    present = {r.task for r in records}
+    return [t for t in tasks.ALL_TASKS if t in present] + sorted(present - set(tasks.ALL_TASKS))
 
 
 def markdown(records: Sequence[Record], command: str) -> str:
     s = summarise(records)
     lengths = sorted({r.length for r in records})
     profiles = list(dict.fromkeys(r.profile for r in records))
-    task_names = [t for t in tasks.TASKS if any(r.task == t for r in records)]
+    task_names = _task_order(records)
     n = max((c[1] for c in s["cells"].values()), default=0)
     lines = [f"`{command}`", "",
-             f"Accuracy in % ({n} samples per cell; greedy answers must contain the hidden value).",
+             f"Accuracy in %, Wilson 95% interval in brackets ({n} samples per cell; greedy "
+             "answers must contain the hidden value).",
              "", "| length | task | " + " | ".join(profiles) + " |",
              "|---:|---|" + "---:|" * len(profiles)]
     for L in lengths:
@@ -214,8 +254,7 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
     records = [Record(**r) if isinstance(r, dict) else r for r in data["records"]]
     lengths = sorted({r.length for r in records})
     profiles = list(dict.fromkeys(r.profile for r in records))
-    task_names = [t for t in tasks.TASKS if any(r.task == t for r in records)]
-    task_names += sorted({r.task for r in records} - set(task_names))
+    task_names = _task_order(records)
     per_cell: dict[tuple, list[Record]] = defaultdict(list)
     for r in records:
         per_cell[(r.length, r.task, r.profile)].append(r)
@@ -265,13 +304,16 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
             cax.set_axis_off()
     n_max = max((len(v) for v in per_cell.values()), default=0)
     title = (f"accuracy by length and depth ({n_max} answers per task and length"
-             + (f", profile {profiles[0]}" if rows == 1 and profiles else "") + "; cell: % right)")
+             + (f", profile {profiles[0]}" if rows == 1 and profiles else "")
+             + (", prose haystack" if data.get("haystack") == "prose" else "")
+             + "; cell: % right)")
     return plotting.finish(fig, path, title, data)
 
 
 def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
          as_json: bool = False, plot_file: Path | None = None, threads: int = 0, seed: int = 0,
-         command: str = "ktlong bench accuracy") -> None:
+         command: str = "ktlong bench accuracy", task_names: Sequence[str] = tasks.TASKS,
+         haystack: str = "filler") -> None:
     from rich.console import Console
 
     from ktlong.bench import plot as plotting
@@ -280,11 +322,13 @@ def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Seq
         plotting.require()
     err = Console(stderr=True)
     records = run(model, lengths, samples, profiles, seed, threads,
-                  report=lambda line: err.print(line, highlight=False))
+                  report=lambda line: err.print(line, highlight=False), task_names=task_names,
+                  haystack=haystack)
     data = {"bench": "accuracy", "command": command, "machine": plotting.machine(),
             "threads": threads or "auto (idle cores)",
             "model": str(model) if model else "ktlong's demo model",
-            "records": [dataclasses.asdict(r) for r in records]}
+            "haystack": haystack, "tasks": list(task_names),
+            "records": [dataclasses.asdict(r) for r in records], "summary": summary(records)}
     if plot_file is not None:
         plot(data, plot_file)
     if as_json:

@@ -1,11 +1,15 @@
 """Synthetic long documents with hidden facts, shared by training, the demo and `bench accuracy`.
 
-A document is filler prose (random sentences over a fixed word list, no digits) with facts put
-at chosen depths, each with its question and answer:
+A document is a haystack with facts put at chosen depths, each with its question and answer. The
+haystack is filler (random sentences over a fixed word list; what the demo model was trained on)
+or, with `haystack="prose"`, a story told by a small grammar (ktlong.demo.prose); neither holds
+a digit. The facts:
 - passkey: "The pass key is 71432. Remember it. 71432 is the pass key." (InfiniteBench's wording)
 - kv: records "The value of key amber is 40591." with distinct random keys; one is asked for.
   Several records per document, so the others are distractors (kv-retrieval).
 - needle: "The best thing to do in Lisbon is to paint the old boat." (needle-in-a-haystack)
+- multineedle: MULTI_NEEDLES needles of that form, distinct cities and activities, at depths
+  spread evenly over the document; one of them is asked for (multi-key needle-in-a-haystack).
 
 Everything is reproducible from a seed: `make_sample(seed, ...)` returns the same document, facts
 and questions on every machine (Python's `random.Random` only).
@@ -16,7 +20,12 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-TASKS = ("passkey", "kv", "needle")
+from ktlong.demo import prose
+
+TASKS = ("passkey", "kv", "needle")  # the training mix, the demo and the bench's default
+ALL_TASKS = (*TASKS, "multineedle")  # what `bench accuracy --tasks` may ask
+HAYSTACKS = ("filler", "prose")
+MULTI_NEEDLES = 4  # needles in a multineedle document
 
 FILLER = (
     "the a of and to in is was that for on with as by at from it this be are or an have not "
@@ -60,7 +69,7 @@ OBJECTS = ("the old boat", "the red tower", "a quiet lighthouse", "the night mar
 
 @dataclass
 class Fact:
-    kind: str  # passkey | kv | needle
+    kind: str  # passkey | kv | needle | multineedle
     sentence: str  # as written in the document
     question: str
     answer: str  # the reference answer the model is trained to give
@@ -97,11 +106,30 @@ def kv_fact(rng: random.Random, depth: float, key: str) -> Fact:
                 f"The value of key {key} is {value}.", value, depth)
 
 
-def needle_fact(rng: random.Random, depth: float, city: str) -> Fact:
+def needle_fact(rng: random.Random, depth: float, city: str,
+                taken: Sequence[str] = ()) -> Fact:
+    """A needle in `city`; its activity is none of `taken` (the document's other needles')."""
     act = f"to {rng.choice(VERBS)} {rng.choice(OBJECTS)}"
+    while act in taken:
+        act = f"to {rng.choice(VERBS)} {rng.choice(OBJECTS)}"
     return Fact("needle", f"The best thing to do in {city} is {act}.",
                 f"What is the best thing to do in {city}?",
                 f"The best thing to do in {city} is {act}.", act, depth)
+
+
+def multineedle_facts(rng: random.Random, depth: float, k: int = MULTI_NEEDLES,
+                      taken: Sequence[Fact] = ()) -> list[Fact]:
+    """`k` needles with distinct cities and activities (none of the `taken` needles' either),
+    at depth, depth + 1/k, ... (mod 1); the first, at `depth`, is the one to ask about."""
+    cities = rng.sample([c for c in CITIES if not any(c in f.question for f in taken)], k)
+    acts = [f.value for f in taken]
+    out = []
+    for j, city in enumerate(cities):
+        f = needle_fact(rng, (depth + j / k) % 1.0, city, acts)
+        f.kind = "multineedle"
+        acts.append(f.value)
+        out.append(f)
+    return out
 
 
 WORDS_PER_TOKEN = 0.82  # filler words per token with the demo tokenizer (re-measured in tests)
@@ -109,22 +137,23 @@ WORDS_PER_TOKEN = 0.82  # filler words per token with the demo tokenizer (re-mea
 
 def make_sample(seed: int, n_tokens: int, task: str | None = None, depth: float | None = None,
                 n_records: int | None = None, count: Callable[[str], int] | None = None,
-                repeat_p: float = 0.0) -> Sample:
+                repeat_p: float = 0.0, haystack: str = "filler") -> Sample:
     """A document of about `n_tokens` tokens with hidden facts.
 
-    task None: a random mix (training and the demo); "passkey" | "kv" | "needle": that task only,
-    with the asked fact at `depth` (random if None). kv documents hold `n_records` records
-    (default one per 2K tokens, at least 4), spread at random depths; needle documents hold 1-3
-    needles with different cities. `count` (text -> tokens) refines the length when given.
-    `repeat_p`: chance that a filler sentence repeats an earlier one (training: copy signal).
+    task None: a random mix (training and the demo); one of ALL_TASKS: that task only, with the
+    asked fact at `depth` (random if None). kv documents hold `n_records` records (default one
+    per 2K tokens, at least 4), spread at random depths; needle documents hold 1-3 needles with
+    different cities; multineedle documents MULTI_NEEDLES. `count` (text -> tokens) refines the
+    length when given. `repeat_p`: chance that a filler sentence repeats an earlier one
+    (training: copy signal). `haystack`: "filler" or "prose" (see HAYSTACKS).
     """
     rng = random.Random(seed)
     facts: list[Fact] = []
     if task is None:
         kinds = [k for k in TASKS if rng.random() < 0.6] or [rng.choice(TASKS)]
     else:
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+        if task not in ALL_TASKS:
+            raise ValueError(f"unknown task {task!r}; known: {', '.join(ALL_TASKS)}")
         kinds = [task]
     asked: list[Fact] = []
     for kind in kinds:
@@ -140,6 +169,10 @@ def make_sample(seed: int, n_tokens: int, task: str | None = None, depth: float 
             recs[0].depth = d
             facts += recs
             asked += [recs[0]] if task else rng.sample(recs, rng.randint(1, min(3, len(recs))))
+        elif kind == "multineedle":
+            needles = multineedle_facts(rng, d)
+            facts += needles
+            asked.append(needles[0])
         else:
             cities = rng.sample(CITIES, 1 if task else rng.randint(1, 3))
             needles = [needle_fact(rng, rng.random(), c) for c in cities]
@@ -148,7 +181,7 @@ def make_sample(seed: int, n_tokens: int, task: str | None = None, depth: float 
             asked += [needles[0]] if task else [rng.choice(needles)]
     rng.shuffle(asked)
     facts.sort(key=lambda f: f.depth)
-    doc = _fill(rng, facts, n_tokens, count, repeat_p)
+    doc = _fill(rng, facts, n_tokens, count, repeat_p, haystack)
     return Sample(doc, facts, asked)
 
 
@@ -174,11 +207,14 @@ def _assemble(sentences: Sequence[str], facts: Sequence[Fact]) -> str:
 
 
 def make_mixed(seed: int, n_tokens: int, depths: dict[str, float],
-               n_records: int | None = None, count: Callable[[str], int] | None = None) -> Sample:
-    """One document holding one fact per task in `depths` (task -> depth of the asked fact).
+               n_records: int | None = None, count: Callable[[str], int] | None = None,
+               haystack: str = "filler") -> Sample:
+    """One document holding one asked fact per task in `depths` (task -> depth of that fact).
 
     kv documents hold `n_records` records (default one per 2K tokens, at least 4); the asked
-    record sits at its depth, the others at random depths. `asked` follows the order of `depths`.
+    record sits at its depth, the others at random depths. multineedle adds MULTI_NEEDLES needles
+    spread evenly from its depth, cities and activities distinct from the needle task's. `asked`
+    follows the order of `depths`. `haystack`: "filler" or "prose" (see HAYSTACKS).
     """
     rng = random.Random(seed)
     facts: list[Fact] = []
@@ -194,18 +230,29 @@ def make_mixed(seed: int, n_tokens: int, depths: dict[str, float],
             f.depth = d
             facts += recs
         elif kind == "needle":
-            f = needle_fact(rng, d, rng.choice(CITIES))
+            needles = [x for x in facts if x.kind == "multineedle"]
+            cities = [c for c in CITIES if not any(c in x.question for x in needles)]
+            f = needle_fact(rng, d, rng.choice(cities), [x.value for x in needles])
             facts.append(f)
+        elif kind == "multineedle":
+            needles = multineedle_facts(rng, d, taken=[x for x in facts if x.kind == "needle"])
+            f = needles[0]
+            facts += needles
         else:
-            raise ValueError(f"unknown task {kind!r}; known: {', '.join(TASKS)}")
+            raise ValueError(f"unknown task {kind!r}; known: {', '.join(ALL_TASKS)}")
         asked.append(f)
     facts.sort(key=lambda f: f.depth)
-    doc = _fill(rng, facts, n_tokens, count)
+    doc = _fill(rng, facts, n_tokens, count, haystack=haystack)
     return Sample(doc, facts, asked)
 
 
 def _fill(rng: random.Random, facts: list[Fact], n_tokens: int,
-          count: Callable[[str], int] | None, repeat_p: float = 0.0) -> str:
+          count: Callable[[str], int] | None, repeat_p: float = 0.0,
+          haystack: str = "filler") -> str:
+    if haystack == "prose":
+        return _fill_prose(rng, facts, n_tokens, count)
+    if haystack != "filler":
+        raise ValueError(f"unknown haystack {haystack!r}; known: {', '.join(HAYSTACKS)}")
     fact_tokens = sum(len(f.sentence.split()) for f in facts) / WORDS_PER_TOKEN
     n_words = max(0, n_tokens - fact_tokens) * WORDS_PER_TOKEN
     sentences: list[str] = []
@@ -226,6 +273,58 @@ def _fill(rng: random.Random, facts: list[Fact], n_tokens: int,
             extra -= s.count(" ") + 1
         doc = _assemble(sentences, facts)
     return doc
+
+
+def _fill_prose(rng: random.Random, facts: list[Fact], n_tokens: int,
+                count: Callable[[str], int] | None) -> str:
+    """A story of about `n_tokens` tokens with the facts inserted between its sentences. With
+    `count`, up to three corrections, each at the words per token measured on the document
+    (prose words cost more tokens than filler's, and how many depends on the tokenizer)."""
+    story = prose.Story(rng).sentences()
+    sentences: list[str] = []
+    ends: list[bool] = []  # sentence i ends its paragraph
+
+    def add(words: float) -> None:
+        while words > 8:
+            s, end = next(story)
+            sentences.append(s)
+            ends.append(end)
+            words -= s.count(" ") + 1
+
+    fact_tokens = sum(len(f.sentence.split()) for f in facts) / WORDS_PER_TOKEN
+    add(max(0, n_tokens - fact_tokens) * prose.WORDS_PER_TOKEN)
+    doc = _assemble_paragraphs(sentences, ends, facts)
+    for _ in range(3 if count is not None else 0):
+        have = count(doc)
+        extra = (n_tokens - have) * len(doc.split()) / max(1, have)
+        if abs(extra) <= 8:
+            break
+        while extra < -8 and sentences:
+            extra += sentences.pop().count(" ") + 1
+            ends.pop()
+        add(extra)
+        doc = _assemble_paragraphs(sentences, ends, facts)
+    return doc
+
+
+def _assemble_paragraphs(sentences: Sequence[str], ends: Sequence[bool],
+                         facts: Sequence[Fact]) -> str:
+    """Sentences with each fact inserted at its depth, a paragraph ending where `ends` says."""
+    at: dict[int, list[str]] = {}
+    for f in facts:
+        at.setdefault(round(f.depth * len(sentences)), []).append(f.sentence)
+    paras: list[str] = []
+    cur: list[str] = []
+    for i in range(len(sentences) + 1):
+        cur += at.get(i, [])
+        if i < len(sentences):
+            cur.append(sentences[i])
+            if ends[i]:
+                paras.append(" ".join(cur))
+                cur = []
+    if cur:
+        paras.append(" ".join(cur))
+    return "\n".join(paras)
 
 
 def demo_sample(seed: int = 0, n_tokens: int = 32768,
