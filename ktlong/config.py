@@ -117,6 +117,15 @@ class Settings:
                               "token", 0)
     token_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N new tokens", 1)
     layer_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N layers", 1)
+    layer_budget: str = _f("enum", "UNIFORM", "sparse attention", "How the selected blocks are "
+                           "shared among the sparse layers: UNIFORM, second_select_num each; "
+                           "SQUEEZE (SqueezeAttention): the prefill measures how little each "
+                           "layer changes its input (cosine of its input and output hidden "
+                           "states), 1-D k-means puts the layers in 3 groups, the least changing "
+                           "group keeps squeeze_ratio of its blocks and the most changing group "
+                           "gets the rest; the total stays", choices=("UNIFORM", "SQUEEZE"))
+    squeeze_ratio: float = _f("float", 0.5, "sparse attention", "SQUEEZE: share of "
+                              "second_select_num kept by the least important layers", 0.0, 1.0)
     gpu_local_window: bool = _f("bool", True, "sparse attention", "Attend to the local window on "
                                 "the GPU when there is one")
     # prefill (how a document's tokens attend while it is read)

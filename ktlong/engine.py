@@ -22,6 +22,7 @@ from ktlong.kvstore import KVStore, StoreShape
 from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
+from ktlong.squeeze import cosine_sum
 from ktlong.warmup import compile_seconds, warm_up
 from ktlong.weights import set_prefill_matmul
 
@@ -145,6 +146,7 @@ class Session:
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
         self.threads = 0  # in effect; set before each prefill and generate
         self.capture_queries = 0  # keep at least this many last prompt queries per layer
+        self._cos: torch.Tensor | None = None  # [n_layers] during a prefill: cosine sums
         self.prefill_matmul = set_prefill_matmul(lm.model, settings.prefill_matmul)
         warm_up(lm, settings)  # every kernel this session runs, compiled before it is timed
 
@@ -178,6 +180,9 @@ class Session:
         capture = max(capture, self.capture_queries if n > 1 else 0)
         self.router.begin(sparse=sparse, capture=min(capture, n), total=n)
         bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
+        # a prefill measures each layer's input/output cosine (layer_budget SQUEEZE reads it)
+        self._cos = torch.zeros(len(body.layers), dtype=torch.float64, device=dev) if n > 1 \
+            else None  # [n_layers] sums over tokens
         with torch.inference_mode():
             if dev.type == "cuda" and len(bounds) > 1:
                 last = self._layer_major(ids, start, bounds, progress, all_logits)
@@ -185,6 +190,8 @@ class Session:
                 last = self._chunk_major(ids, start, bounds, progress, all_logits)
             logits = lm.model.lm_head(body.norm(last.to(dev))).float()  # [n or 1, vocab]
         self.tokens.extend(ids)
+        if self._cos is not None:
+            self.store.add_layer_cos(self._cos.cpu().numpy(), n)
         if n > 1:
             self.policy.on_prefill_end(self.router.captured, len(self.tokens))
         return logits
@@ -201,7 +208,9 @@ class Session:
             pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
             emb = body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
             for li, layer in enumerate(body.layers):
-                h = layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
+                h_in, h = h, layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
+                if self._cos is not None:
+                    self._cos[li] += cosine_sum(h_in, h)
                 self.store.check_resident()
                 if progress is not None:
                     progress(c0 + (c1 - c0) * (li + 1) // n_layers, n)
@@ -226,7 +235,9 @@ class Session:
                 emb = rope.get(c0) or body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
                 if keep_rope:
                     rope[c0] = emb
-                h = layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
+                h_in, h = h, layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
+                if self._cos is not None:
+                    self._cos[li] += cosine_sum(h_in, h)
                 hidden[c0:c1] = h[0].to(hidden.device)
                 self.store.check_resident()
                 if progress is not None:

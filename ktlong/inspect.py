@@ -163,9 +163,21 @@ def observe_attention(lm: Any, settings: Settings, document: str, question: str,
             "attention", "kv_type", "block_size", "init_len", "local_windows_len",
             "second_select_num", "anchor_type", "anchor_num", "head_select_mode",
             "dense_layer_num", "token_step", "layer_step", "preselect_block",
-            "preselect_block_count")},
+            "preselect_block_count", "layer_budget", "squeeze_ratio")},
+        "budgets": layer_budgets(obs.session.policy),
     }
     return report
+
+
+def layer_budgets(policy: Any) -> list[dict[str, Any]]:
+    """Per layer: its input/output cosine over the prefill (None if unmeasured), its group
+    (ktlong.squeeze: important, middle, squeezed; dense) and its selected blocks per step."""
+    from ktlong.squeeze import GROUP_NAMES
+
+    sims = policy.layer_sims or [None] * len(policy.layer_k)
+    return [{"layer": i, "similarity": sim, "group": GROUP_NAMES[g], "budget": k}
+            for i, (sim, g, k) in enumerate(zip(sims, policy.layer_group, policy.layer_k,
+                                                strict=True))]
 
 
 def attention_main(model: Path | None, prompt_file: Path, question: str, settings: Settings,
@@ -248,13 +260,33 @@ def show_attention(report: AttentionReport) -> None:
               f"{n_prompt - n_doc:,} question tokens, {report.steps} answer tokens observed")
     if info.get("note"):
         out.print(f"[yellow]{escape(str(info['note']))}[/]")
-    table = Table("layer", "recall", "worst step", "reuse recall", "overlap", "blocks read")
+    squeeze = info.get("settings", {}).get("layer_budget") == "SQUEEZE"
+    budgets = {b["layer"]: b for b in info.get("budgets", [])}
+    extra = ("similarity", "group", "budget") if squeeze else ()
+    table = Table("layer", "recall", "worst step", "reuse recall", "overlap", "blocks read",
+                  *extra)
     for x in report.layers:
         style = "red" if x.recall < 0.8 else ("yellow" if x.recall < 0.95 else "")
+        b = budgets.get(x.layer, {})
+        sim = b.get("similarity")
+        cells = (("-" if sim is None else f"{sim:.4f}"), str(b.get("group", "")),
+                 str(b.get("budget", ""))) if squeeze else ()
         table.add_row(str(x.layer), Text(f"{x.recall:.1%}", style), f"{x.recall_min:.1%}",
                       f"{x.reuse_recall:.1%}", f"{x.overlap:.0%}",
-                      f"{x.blocks_read:.0f} / {x.blocks_total:.0f}" + (" (all)" if x.dense else ""))
+                      f"{x.blocks_read:.0f} / {x.blocks_total:.0f}" + (" (all)" if x.dense else ""),
+                      *cells)
     out.print(table)
+    s = info.get("settings", {})
+    if squeeze:
+        out.print("layer_budget SQUEEZE: similarity = cos(layer input, layer output) over the "
+                  f"prefill; the squeezed group keeps {s.get('squeeze_ratio')} of "
+                  f"{s.get('second_select_num')} selected blocks per step, the important group "
+                  "gets what it frees"
+                  + ("" if any(b.get("similarity") is not None for b in budgets.values())
+                     else " (not measured: this cache entry predates it, so UNIFORM)"))
+    elif s.get("second_select_num") is not None:
+        out.print(f"layer_budget UNIFORM: {s['second_select_num']} selected blocks per step in "
+                  "every sparse layer")
     label = 8
     width = max(8, out.width - label)
     rows = map_rows(report, width)

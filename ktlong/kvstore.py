@@ -243,6 +243,11 @@ class KVStore:
                 self.anchors[layer][:, : a.shape[1]] = a
                 self.n_anchored[layer] = a.shape[1]
         self.lengths = [self.nb_base * bs] * L  # tokens written, per layer
+        # how much each layer changes the hidden state (SqueezeAttention, ktlong/squeeze.py):
+        # the sum over the prefilled tokens of cos(layer input, layer output), and their count;
+        # kept with the KV so that a prompt-cache entry brings it back
+        self.layer_cos_sum = np.zeros(L, np.float64)
+        self.layer_cos_tokens = 0
         # mapped KV (a cache entry's base, the disk tier): pages a step reads (and their
         # neighbours: the page cache works in large folios) stay mapped, and in RSS, until
         # released; `check_resident` bounds them
@@ -311,6 +316,24 @@ class KVStore:
         s = self.shape
         return self.length * s.n_layers * self.block_bytes // s.block_size
 
+    # --- the layers' similarities --------------------------------------------------------------
+    def add_layer_cos(self, sums: np.ndarray, n_tokens: int) -> None:
+        """Add one prefill's per-layer sums of cosines `[n_layers]` over its `n_tokens`."""
+        self.layer_cos_sum += np.asarray(sums, np.float64)
+        self.layer_cos_tokens += n_tokens
+
+    def layer_similarity(self) -> np.ndarray | None:
+        """`[n_layers]` mean cosine of each layer's input and output hidden states over the
+        prefilled tokens; None when nothing was measured (e.g. an older cache entry)."""
+        if not self.layer_cos_tokens:
+            return None
+        return self.layer_cos_sum / self.layer_cos_tokens
+
+    def copy_layer_cos(self, src: KVStore) -> None:
+        """Take `src`'s measured similarities (a store copied or converted from it)."""
+        self.layer_cos_sum = src.layer_cos_sum.copy()
+        self.layer_cos_tokens = src.layer_cos_tokens
+
     # --- writing -----------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Append k, v `[Hkv, n, d]` to `layer`; returns the position of the first new token."""
@@ -338,6 +361,9 @@ class KVStore:
         if n_tokens < self.nb_base * bs:
             raise ValueError("cannot truncate into the read-only base segment")
         full = n_tokens // bs
+        if n_tokens == 0:  # a new prompt: its own similarities (a shorter cut keeps the sums)
+            self.layer_cos_sum[:] = 0.0
+            self.layer_cos_tokens = 0
         for layer in range(self.shape.n_layers):
             self.lengths[layer] = min(self.lengths[layer], n_tokens)
             self.n_anchored[layer] = min(self.n_anchored[layer], full)

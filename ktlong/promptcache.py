@@ -7,9 +7,11 @@ One entry is one file, `<key>.ktkv`, in the KV store's own layout so it maps str
   (kernels/anchors.py; version 1: BF16 bits [Hkv, nb, A, d], still read), K, V [Hkv, rem, row]
   of the partial last block;
 each section aligned to 4 KiB. The header names the model, tokenizer, kv_type, block_size and RoPE
-(the key: everything that changes KV contents, nothing else) and a CRC-32 per layer, checked on
-load. Entries are written to a temporary name, fsynced and renamed, under a per-key lock; only
-complete `*.ktkv` files are ever opened. JSON + raw arrays: no pickle, nothing in a file can run.
+(the key: everything that changes KV contents, nothing else), a CRC-32 per layer, checked on
+load, and each layer's input/output cosine summed over the prefill (`layer_budget: SQUEEZE`;
+an entry without it gives UNIFORM budgets). Entries are written to a temporary name, fsynced
+and renamed, under a per-key lock; only complete `*.ktkv` files are ever opened. JSON + raw
+arrays: no pickle, nothing in a file can run.
 """
 
 from __future__ import annotations
@@ -222,6 +224,9 @@ def map_entry(
     store = KVStore(shape, capacity, base=(ks, vs), base_anchors=anchors or None, nb_base=n_base)
     for layer, (tk_, tv_) in enumerate(tails):  # the last block(s) go to the writable tail
         store.write_rows(layer, tk_, tv_)
+    cos = header.get("layer_cos")  # absent in entries older than layer_budget: UNIFORM then
+    if isinstance(cos, dict) and len(cos.get("sum", ())) == L and cos.get("tokens", 0) > 0:
+        store.add_layer_cos(np.asarray(cos["sum"], np.float64), int(cos["tokens"]))
     return store, ids
 
 
@@ -256,6 +261,8 @@ def write_entry(
         "remainder": rem,
         "anchor_num": store.shape.anchor_num,
         "anchor_type": session.settings.anchor_type,
+        # each layer's input/output cosine summed over the prefilled tokens (layer_budget SQUEEZE)
+        "layer_cos": {"sum": store.layer_cos_sum.tolist(), "tokens": store.layer_cos_tokens},
         "created": time.time(),
         **extra,
     }
@@ -458,6 +465,7 @@ def convert_store(src: KVStore, shape: StoreShape, capacity: int,
         dst.n_anchored[layer] = na
         if src.mapped:
             src.release_mapped()
+    dst.copy_layer_cos(src)
     return dst
 
 

@@ -2,7 +2,8 @@
 
 Every step attends to the init blocks, the local window (whole blocks from
 `n_tokens - local_windows_len` on, the partial last block included) and up to
-`second_select_num` context blocks chosen by their anchors. Dense layers and short contexts read
+`second_select_num` context blocks chosen by their anchors (with `layer_budget: SQUEEZE`, a
+per-layer number from ktlong.squeeze, the same in total). Dense layers and short contexts read
 every block. Selections are reused between `token_step` tokens and within groups of
 `layer_step` layers (KTransformers' semantics); a reused selection also keeps the blocks that
 left the local window since it was made. With preselection, the prompt's last queries vote
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ktlong import kernels
+from ktlong import kernels, squeeze
 from ktlong.config import Settings
 from ktlong.kvstore import KVStore
 from ktlong.model import ModelSpec
@@ -67,12 +68,28 @@ class SelectionPolicy:
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
         self._preselect_upto = 0  # blocks complete when the vote was taken
         self._dynamic_upto = [0] * spec.n_layers  # blocks with DYNAMIC (vote-based) anchors
+        self.n_layers = spec.n_layers
+        self.set_layer_budgets(store.layer_similarity())
         self.reset_counters()
 
     # --- budget ------------------------------------------------------------------------------
-    def budget_blocks(self) -> int:
-        """Blocks one step reads at most: init + selected + local window + the partial block."""
-        return self.n_init + self.s.second_select_num + self.s.local_windows_len // self.bs + 1
+    def set_layer_budgets(self, sims: np.ndarray | None) -> None:
+        """`layer_k` (selected blocks per step, per layer) and `layer_group`: with layer_budget
+        SQUEEZE, from each layer's mean input/output cosine `sims` `[n_layers]` (ktlong.squeeze);
+        UNIFORM, or no `sims` (a cache entry older than the measure), second_select_num each."""
+        s, n = self.s, self.n_layers
+        self.layer_sims = None if sims is None else [float(x) for x in sims]
+        plan = squeeze.uniform(n, s.second_select_num, s.dense_layer_num)
+        if s.layer_budget == "SQUEEZE" and sims is not None and len(sims) == n:
+            plan = squeeze.layer_budgets(np.asarray(sims), s.second_select_num, s.squeeze_ratio,
+                                         s.dense_layer_num, s.layer_step)
+        self.layer_k, self.layer_group = plan.k, plan.group
+
+    def budget_blocks(self, layer: int | None = None) -> int:
+        """Blocks one step of `layer` reads at most (None: of the layer that reads most):
+        init + selected + local window + the partial block."""
+        k = max(self.layer_k) if layer is None else self.layer_k[layer]
+        return self.n_init + k + self.s.local_windows_len // self.bs + 1
 
     def wants_votes(self) -> bool:
         """Whether `on_prefill_end` uses the prompt's last queries (DYNAMIC or preselection)."""
@@ -80,7 +97,10 @@ class SelectionPolicy:
 
     def sparse_for(self, n_tokens: int) -> bool:
         """Whether a context of `n_tokens` is read sparsely (else every block is cheaper/equal)."""
-        return not self.dense and -(-n_tokens // self.bs) > self.budget_blocks()
+        # some layer reads sparsely: the sparse layer with the smallest budget does first
+        k = min(self.layer_k[self.s.dense_layer_num:], default=self.s.second_select_num)
+        fixed = self.n_init + self.s.local_windows_len // self.bs + 1
+        return not self.dense and -(-n_tokens // self.bs) > fixed + k
 
     # --- stats -------------------------------------------------------------------------------
     def reset_counters(self) -> None:
@@ -95,7 +115,7 @@ class SelectionPolicy:
         choice among the candidates still to make when the step chooses afresh."""
         nb = -(-n_tokens // self.bs)
         local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs  # first local block
-        if self.dense or layer < self.s.dense_layer_num or nb <= self.budget_blocks():
+        if self.dense or layer < self.s.dense_layer_num or nb <= self.budget_blocks(layer):
             # every block: those before the window as "chosen" (a local-window device takes
             # the window)
             return Step(layer, n_tokens, q, 0, local0, nb, np.arange(local0, dtype=np.int32)[None])
@@ -103,7 +123,7 @@ class SelectionPolicy:
         cached = self._groups.get(group)
         if cached is None or (layer % self.s.layer_step == 0 and n_tokens % self.s.token_step == 0):
             cand = self._candidates(layer, local0)  # ascending, every one < local0
-            k = self.s.second_select_num
+            k = self.layer_k[layer]  # a layer_step group's k is one
             if 0 < k < cand.size:  # chosen by the kernel; committed with the choice
                 self._ensure_anchors(layer, local0)
                 return Step(layer, n_tokens, q, self.n_init, local0, nb, candidates=cand, k=k,
@@ -204,8 +224,10 @@ class SelectionPolicy:
 
         DYNAMIC anchors come from the vote of the first prefill (the document); preselection
         is re-voted by every prefill (each question), since it must follow the question.
+        SQUEEZE budgets follow the layers' similarities measured so far (the store's).
         """
         self._groups.clear()
+        self.set_layer_budgets(self.store.layer_similarity())
         if self.dense or not captured or not self.sparse_for(n_tokens):
             return
         dynamic = self.s.anchor_type == "DYNAMIC"

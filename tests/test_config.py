@@ -22,13 +22,14 @@ INTERNALS_DEFAULTS = dict(
     attention="SPARSE",
     block_size=128, init_len=128, local_windows_len=4096, second_select_num=96,
     anchor_type="MAX", anchor_num=1, head_select_mode="SHARED", dense_layer_num=0,
-    token_step=1, layer_step=1, preselect_block=False, preselect_block_count=96,
+    token_step=1, layer_step=1, layer_budget="UNIFORM", squeeze_ratio=0.5,
+    preselect_block=False, preselect_block_count=96,
     preselect_window=64, preselect_pool=7, gpu_local_window=True, prefill="WINDOW",
     prefill_window=12288, prefill_vertical=1024, prefill_slash=2048, prefill_patterns="",
     max_new_tokens=512,
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
 PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval",
-            "small", "ktransformers", "recall", "minference")
+            "small", "ktransformers", "recall", "minference", "squeeze")
 
 
 def write_config(home: Path, text: str) -> Path:
@@ -301,7 +302,7 @@ def test_each_profile_resolves_and_explains_itself(name: str) -> None:
     for key, value in data.items():
         assert getattr(r.settings, key) == config.coerce(key, value, name)
         assert r.sources[key] == f"profile:{name}"
-        if name != "default":  # a profile holds only the keys it changes
+        if name not in ("default", "squeeze"):  # a profile holds only the keys it changes
             assert config.coerce(key, value, name) != FIELDS[key].default, (name, key)
 
 

@@ -103,6 +103,7 @@ SCALED = {  # each profile's method keys, at sizes a 1.5K-token test prompt exer
     "streamingllm": dict(block_size=16, init_len=16, local_windows_len=64),
     "small": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
     "minference": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
+    "squeeze": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
 }
 
 
