@@ -256,7 +256,8 @@ class AttentionRouter:
                 out[:, i] = self.policy.attend(step, scale)[0]
                 continue
             job = None
-            if step.candidates is not None or step.n_init + step.chosen.shape[1] > 0:
+            if (step.candidates is not None or step.n_init + step.pins.size
+                    + step.chosen.shape[1] > 0):
                 job = _POOL.submit(self.policy.attend, step, scale, False)  # init + selected
             else:
                 self.policy.commit(step)

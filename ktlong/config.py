@@ -115,6 +115,19 @@ class Settings:
                                "together or each its own", choices=("SHARED", "SEPARATE"))
     dense_layer_num: int = _f("int", 0, "sparse attention", "First layers that read every "
                               "token", 0)
+    question_blocks: int = _f("int", 0, "sparse attention", "Blocks the question's last queries "
+                              "attend to most, read by every layer at every step of the answer; "
+                              "taken from second_select_num", 0)
+    question_window: int = _f("int", 16, "sparse attention", "question_blocks: last prompt "
+                              "queries that vote", 1)
+    question_layers: int = _f("int", 4, "sparse attention", "question_blocks: layers that vote, "
+                              "evenly spaced; 0 = every layer", 0)
+    question_positions: str = _f("enum", "NEAR", "sparse attention", "question_blocks: NEAR "
+                                 "reads them as if they sat just before the local window (the "
+                                 "query turned back by each one's distance); AS_IS at their "
+                                 "own positions", choices=("NEAR", "AS_IS"))
+    select_neighbours: bool = _f("bool", False, "sparse attention", "Each selected block brings "
+                                 "the block after it, within the same budget")
     token_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N new tokens", 1)
     layer_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N layers", 1)
     layer_budget: str = _f("enum", "UNIFORM", "sparse attention", "How the selected blocks are "
@@ -255,6 +268,11 @@ def check(v: dict[str, Any], sources: dict[str, str] | None = None) -> None:
         raise KtlongError("preselect_block is on but preselect_block_count is 0"
                           + at("preselect_block", "preselect_block_count"),
                           hint="set preselect_block_count above 0 (e.g. 96)")
+    if v["question_blocks"] > v["second_select_num"]:
+        raise KtlongError(f"question_blocks ({v['question_blocks']}) exceeds second_select_num "
+                          f"({v['second_select_num']}), the budget it is taken from"
+                          + at("question_blocks", "second_select_num"),
+                          hint="lower question_blocks or raise second_select_num")
     if v["preselect_pool"] % 2 == 0:
         raise KtlongError(f"preselect_pool must be odd, got {v['preselect_pool']}"
                           + at("preselect_pool"), hint="use 1 (no pooling), 3, 5, 7, ...")

@@ -132,6 +132,9 @@ class Session:
                                       tier_dir=tier_dir(spec, settings))
         self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
         self.policy = SelectionPolicy(settings, spec, self.store)
+        rope = getattr(lm.model.model, "rotary_emb", None)
+        if rope is not None and hasattr(rope, "inv_freq"):  # [rot/2]: question_positions NEAR
+            self.policy.inv_freq = rope.inv_freq.detach().double().cpu().numpy()
         if self.store.mapped:  # room for a few steps' blocks before mapped pages are released
             step = self.policy.budget_blocks() * self.store.block_bytes * spec.n_layers
             self.store.map_cap = max(self.store.map_cap, 2 * step)
@@ -176,7 +179,7 @@ class Session:
         dev = lm.device
         start, n = len(self.tokens), len(ids)
         chunk = n if sparse and n == 1 else st.chunk_size or CHUNK_AUTO[dev.type == "cuda"]
-        capture = st.preselect_window if n > 1 and self.policy.wants_votes() else 0
+        capture = self.policy.vote_window() if n > 1 else 0
         capture = max(capture, self.capture_queries if n > 1 else 0)
         self.router.begin(sparse=sparse, capture=min(capture, n), total=n)
         bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]

@@ -7,12 +7,16 @@ per-layer number from ktlong.squeeze, the same in total). Dense layers and short
 every block. Selections are reused between `token_step` tokens and within groups of
 `layer_step` layers (KTransformers' semantics); a reused selection also keeps the blocks that
 left the local window since it was made. With preselection, the prompt's last queries vote
-(SnapKV) and later selections draw only from the winners plus blocks completed afterwards.
+(SnapKV) and later selections draw only from the winners plus blocks completed afterwards. With
+`question_blocks`, the same vote pins that many blocks per layer for the whole answer (the
+question's tokens choose, not only the token being decoded), out of the `second_select_num`
+budget. With `select_neighbours`, each chosen block brings the one after it (a fact that
+straddles two blocks is read whole), still `second_select_num` blocks in all.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,12 +26,15 @@ from ktlong.config import Settings
 from ktlong.kvstore import KVStore
 from ktlong.model import ModelSpec
 
+_NONE = np.zeros(0, np.int32)
+
 
 @dataclass
 class Step:
-    """One layer's blocks at one decode step: the init blocks `[0, n_init)`, `chosen` `[S, k]`
-    from the context, and the local window `[local0, nb)`. A step that chooses afresh has
-    `candidates` (the top `k` of them by anchor score are chosen) and gets `chosen` on commit."""
+    """One layer's blocks at one decode step: the init blocks `[0, n_init)`, the question's
+    `pins`, `chosen` `[S, k]` from the context, and the local window `[local0, nb)`. A step that
+    chooses afresh has `candidates` (the top `k` of them by anchor score are chosen) and gets
+    `chosen` on commit."""
 
     layer: int
     n_tokens: int
@@ -39,19 +46,21 @@ class Step:
     candidates: np.ndarray | None = None  # [n] int32
     k: int = 0
     group: int = 0
+    pins: np.ndarray = field(default_factory=lambda: _NONE)  # [m] int32 ascending, < local0
 
     def fixed(self, end: int) -> np.ndarray:
-        """`[nf]` int32: the init blocks and the local window's up to `end`, ascending."""
-        return np.concatenate([np.arange(self.n_init, dtype=np.int32),
+        """`[nf]` int32: the init blocks, the pins and the local window's up to `end`,
+        ascending."""
+        return np.concatenate([np.arange(self.n_init, dtype=np.int32), self.pins,
                                np.arange(self.local0, end, dtype=np.int32)])
 
     def blocks(self, end: int | None = None) -> np.ndarray:
-        """`[S, n]` int32: init, chosen and local blocks up to `end` (default: all), ascending."""
+        """`[S, n]` int32: init, pinned, chosen and local blocks up to `end` (default: all),
+        ascending."""
         fixed = self.fixed(self.nb if end is None else end)
-        S, n = self.chosen.shape[0], self.n_init
-        return np.ascontiguousarray(np.concatenate(
-            [np.broadcast_to(fixed[:n], (S, n)), self.chosen,
-             np.broadcast_to(fixed[n:], (S, fixed.size - n))], axis=1))
+        S = self.chosen.shape[0]
+        out = np.concatenate([np.broadcast_to(fixed, (S, fixed.size)), self.chosen], axis=1)
+        return np.ascontiguousarray(np.sort(out, axis=1))
 
 
 class SelectionPolicy:
@@ -66,6 +75,8 @@ class SelectionPolicy:
         self.scale = np.float32(spec.head_dim**-0.5)
         self._groups: dict[int, tuple[np.ndarray, int]] = {}  # group -> (selected [S, k], local0)
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
+        self._pins: dict[int, np.ndarray] = {}  # layer -> the question's blocks, ascending
+        self.inv_freq: np.ndarray | None = None  # [rot/2] the model's RoPE frequencies
         self._preselect_upto = 0  # blocks complete when the vote was taken
         self._dynamic_upto = [0] * spec.n_layers  # blocks with DYNAMIC (vote-based) anchors
         self.n_layers = spec.n_layers
@@ -92,8 +103,9 @@ class SelectionPolicy:
         return self.n_init + k + self.s.local_windows_len // self.bs + 1
 
     def wants_votes(self) -> bool:
-        """Whether `on_prefill_end` uses the prompt's last queries (DYNAMIC or preselection)."""
-        return not self.dense and (self.s.anchor_type == "DYNAMIC" or self.s.preselect_block)
+        """Whether `on_prefill_end` uses the prompt's last queries (DYNAMIC, preselection, the
+        question's blocks)."""
+        return self.vote_window() > 0
 
     def sparse_for(self, n_tokens: int) -> bool:
         """Whether a context of `n_tokens` is read sparsely (else every block is cheaper/equal)."""
@@ -121,53 +133,95 @@ class SelectionPolicy:
             return Step(layer, n_tokens, q, 0, local0, nb, np.arange(local0, dtype=np.int32)[None])
         group = layer // self.s.layer_step
         cached = self._groups.get(group)
+        pins = self._pins.get(layer, _NONE)
         if cached is None or (layer % self.s.layer_step == 0 and n_tokens % self.s.token_step == 0):
+            pins = pins[pins < local0]
             cand = self._candidates(layer, local0)  # ascending, every one < local0
-            k = self.layer_k[layer]  # a layer_step group's k is one
+            if pins.size:
+                cand = np.setdiff1d(cand, pins, assume_unique=True).astype(np.int32)
+            k = max(self.layer_k[layer] - pins.size, 0)  # a layer_step group's k is one
             if 0 < k < cand.size:  # chosen by the kernel; committed with the choice
                 self._ensure_anchors(layer, local0)
                 return Step(layer, n_tokens, q, self.n_init, local0, nb, candidates=cand, k=k,
-                            group=group)
+                            group=group, pins=pins)
             S = 1 if self.shared else self.n_kv
             chosen = np.broadcast_to(cand[:k], (S, min(k, cand.size))).copy()  # none or all
             self._groups[group] = (chosen, local0)
-            return Step(layer, n_tokens, q, self.n_init, local0, nb, chosen)
+            return Step(layer, n_tokens, q, self.n_init, local0, nb, chosen, pins=pins)
         chosen, then = cached
         # blocks that left the local window since the choice stay attended
-        return Step(layer, n_tokens, q, self.n_init, min(local0, then), nb, chosen)
+        local0 = min(local0, then)
+        return Step(layer, n_tokens, q, self.n_init, local0, nb, chosen,
+                    pins=np.setdiff1d(pins[pins < local0], chosen).astype(np.int32))
 
     def commit(self, step: Step, chosen: np.ndarray | None = None) -> Step:
         """Record the step's choice (`chosen` [S, k], when it chose afresh) and its reads."""
         if chosen is not None:
             step.chosen = chosen
             self._groups[step.group] = (chosen, step.local0)
-        self._read += step.n_init + step.chosen.shape[1] + step.nb - step.local0
+        self._read += step.n_init + step.pins.size + step.chosen.shape[1] + step.nb - step.local0
         self._total += step.nb
         return step
 
     def select(self, layer: int, q: np.ndarray, n_tokens: int) -> np.ndarray:
         """q `[Hq, d]` f32 of the token at position n_tokens - 1 -> blocks `[S, n]` int32."""
         step = self.plan(layer, q, n_tokens)
-        chosen = None
-        if step.candidates is not None:
-            chosen = kernels.select_blocks(q, self.store.anchors[layer], step.candidates, step.k,
-                                           self.s.anchor_type == "QUEST", self.shared)
+        chosen = None if step.candidates is None else self._choose(step)
         return self.commit(step, chosen).blocks()
+
+    def _choose(self, step: Step) -> np.ndarray:
+        """`[S, k]` int32 ascending: the step's top-k candidates by anchor score, each followed
+        by the block after it with `select_neighbours`."""
+        quest = self.s.anchor_type == "QUEST"
+        anchors = self.store.anchors[step.layer]
+        if not self.s.select_neighbours:
+            return kernels.select_blocks(step.q, anchors, step.candidates, step.k, quest,
+                                         self.shared)
+        scores = kernels.score_blocks(step.q, anchors, step.candidates, quest, self.shared)
+        return with_neighbours(scores, step.candidates, step.k)
 
     def attend(self, step: Step, scale: float, local: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Exact attention on the CPU over the step's blocks (without the local window when
         `local` is False): out `[Hq, d]`, lse `[Hq]`. A step that chooses afresh scores, takes
-        the top-k and attends in one kernel call, and is committed here."""
+        the top-k and attends in one kernel call, and is committed here. With question_positions
+        NEAR the pins are read apart, each run of them with its own turned query, and merged."""
+        if step.pins.size and self.s.question_positions == "NEAR" and self.inv_freq is not None:
+            pins, step.pins = step.pins, _NONE
+            out, lse = self._attend(step, scale, local)
+            step.pins = pins
+            self._read += pins.size
+            return self._attend_near(step, out, lse, scale)
+        return self._attend(step, scale, local)
+
+    def _attend_near(self, step: Step, out: np.ndarray, lse: np.ndarray,
+                     scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """out, lse merged with the pins' attention, the pins (m of them, in order) read as if
+        they were the m blocks just before the local window: each run of consecutive pins with
+        the query turned back by its distance to there (RoPE: q.R(p_k + delta)k is
+        R(-delta)q.R(p_k)k), so no pin is read across a distance the model never trained on."""
+        kv = self.store.kernel_views(step.layer)[0]
+        pins, m = step.pins, step.pins.size
+        cut = np.flatnonzero(np.diff(pins) != 1) + 1
+        i = 0
+        for run in np.split(pins, cut):
+            delta = (step.local0 - m + i - int(run[0])) * self.bs  # >= 0: pins are below local0
+            q = rope_shift(step.q, self.inv_freq, -delta) if delta else step.q
+            o, lo = kernels.attend_layer(kv, q, run[None].astype(np.int32), step.n_tokens, scale)
+            out, lse = kernels.merge_partials(out, lse, o, lo)
+            i += run.size
+        return out, lse
+
+    def _attend(self, step: Step, scale: float, local: bool) -> tuple[np.ndarray, np.ndarray]:
         kv, anchors = self.store.kernel_views(step.layer)
         end = step.nb if local else step.local0
         if step.candidates is None:
             self.commit(step)
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
-        if self.store.tier is not None:  # the KV is on disk: choose, ask for it, then attend
-            chosen = kernels.select_blocks(step.q, self.store.anchors[step.layer],
-                                           step.candidates, step.k,
-                                           self.s.anchor_type == "QUEST", self.shared)
-            self.store.prefetch(step.layer, chosen)
+        if self.store.tier is not None or self.s.select_neighbours:
+            # choose first: a disk tier is asked for the chosen blocks before they are read
+            chosen = self._choose(step)
+            if self.store.tier is not None:
+                self.store.prefetch(step.layer, chosen)
             self.commit(step, chosen)
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
         out, lse, chosen = kernels.select_attend_layer(
@@ -260,6 +314,8 @@ class SelectionPolicy:
                 self._preselect(layer, votes, n_tokens)
         if self.s.preselect_block:
             self._preselect_upto = n_full
+        if self.s.question_blocks:
+            self._pin(captured, n_tokens)
 
     def _preselect(self, layer: int, votes: np.ndarray, n_tokens: int) -> None:
         """SnapKV: pool the vote over neighbouring tokens, sum per block, keep the best blocks."""
@@ -278,6 +334,62 @@ class SelectionPolicy:
         best = cand[np.argsort(-per_block[cand], kind="stable")[:keep]]
         self._preselected[layer] = np.sort(best).astype(np.int32)
 
+    def _pin(self, captured: dict[int, torch.Tensor], n_tokens: int) -> None:
+        """The question's blocks, read by every layer for the whole answer: those holding the
+        keys its last `question_window` queries attend to most. Each query row of each voting
+        layer gives every block the largest attention share any of its heads gives the
+        block's keys; a block's vote is its best share over the rows, summed over the layers.
+        A max, not SnapKV's sum: one question token that finds its match (a name, a number)
+        outvotes many that spread over look-alike sentences."""
+        local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs
+        cand = np.arange(self.n_init, local0, dtype=np.int32)
+        if cand.size == 0:
+            self._pins = {}
+            return
+        vote = np.zeros(local0, np.float32)
+        for layer in self.voting_layers():
+            qw = captured.get(layer)
+            if qw is None:
+                continue
+            q = np.ascontiguousarray(qw.numpy()[:, -self.s.question_window:])  # [Hq, W, d]
+            W = q.shape[1]
+            k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
+            best = np.zeros(local0, np.float32)
+            for w in range(W):  # query w sits at position n_tokens - W + w
+                v = kernels.query_votes(np.ascontiguousarray(q[:, w:w + 1]), k_base, k_tail,
+                                        nb_base, n_tokens - W + w + 1, self.scale,
+                                        self.store.kv_kind)  # [Hkv, n]
+                per_block = v[:, : local0 * self.bs].reshape(-1, local0, self.bs).sum(2)
+                np.maximum(best, per_block.max(0), out=best)
+            vote += best
+            if self.store.mapped:
+                self.store.release_mapped()
+        order = cand[np.argsort(-vote[cand], kind="stable")]
+        m = min(self.s.question_blocks, cand.size)
+        if self.s.select_neighbours:
+            pins = with_neighbours(-np.arange(cand.size, dtype=np.float32)[None], order, m)[0]
+        else:
+            pins = np.sort(order[:m])
+        pins = pins.astype(np.int32)
+        self._pins = {layer: pins for layer in range(self.store.shape.n_layers)}
+
+    def voting_layers(self) -> list[int]:
+        """The layers whose queries pick the question's blocks: `question_layers` of the sparse
+        ones, evenly spaced (every one when there are no more)."""
+        first, n = self.s.dense_layer_num, self.store.shape.n_layers
+        count = self.s.question_layers or n
+        if n - first <= count:
+            return list(range(first, n))
+        return sorted({int(round(x)) for x in np.linspace(first, n - 1, count)})
+
+    def vote_window(self) -> int:
+        """Last prompt queries a prefill keeps for the votes (0: none wanted)."""
+        if self.dense:
+            return 0
+        w = self.s.preselect_window if (self.s.anchor_type == "DYNAMIC"
+                                        or self.s.preselect_block) else 0
+        return max(w, self.s.question_window if self.s.question_blocks else 0)
+
     def truncate(self, n_tokens: int) -> None:
         self._groups.clear()
         full = n_tokens // self.bs
@@ -285,3 +397,35 @@ class SelectionPolicy:
         self._preselect_upto = min(self._preselect_upto, full)
         # blocks past the cut will hold other tokens (a new turn, or a context shift's)
         self._preselected = {layer: pre[pre < full] for layer, pre in self._preselected.items()}
+        self._pins = {layer: pins[pins < full] for layer, pins in self._pins.items()}
+
+
+def rope_shift(q: np.ndarray, inv_freq: np.ndarray, delta: int) -> np.ndarray:
+    """q `[Hq, d]` (already rotated at its position, HF's rotate-half layout) turned as if it
+    sat `delta` positions later: `[Hq, d]` float32. The first 2 * inv_freq.size channels rotate,
+    any others stay."""
+    h = inv_freq.size
+    ang = delta * inv_freq  # [h]
+    c, s = np.cos(ang), np.sin(ang)
+    x = q.astype(np.float64)
+    out = x.copy()
+    x1, x2 = x[:, :h], x[:, h:2 * h]
+    out[:, :h], out[:, h:2 * h] = x1 * c - x2 * s, x2 * c + x1 * s
+    return out.astype(np.float32)
+
+
+def with_neighbours(scores: np.ndarray, candidates: np.ndarray, k: int) -> np.ndarray:
+    """`[S, k]` int32 ascending: per row of scores `[S, n]`, the candidates in order of score,
+    each followed by the next block when that is a candidate too, until k are taken."""
+    n = candidates.size
+    k = min(k, n)
+    member = np.zeros(int(candidates.max()) + 2 if n else 1, bool)
+    member[candidates] = True
+    out = np.empty((scores.shape[0], k), np.int32)
+    for r, row in enumerate(scores):
+        best = candidates[np.argsort(-row, kind="stable")[:k]]  # [k] by score
+        pairs = np.stack([best, best + 1], axis=1).ravel()  # [2k]: each one, then its successor
+        pairs = pairs[member[pairs]]
+        _, first = np.unique(pairs, return_index=True)
+        out[r] = np.sort(pairs[np.sort(first)[:k]])
+    return out

@@ -105,8 +105,10 @@ def parts(lm: Any, settings: Any) -> list[Part]:
     """What `warm_up` would run for this model and settings, in order."""
     s = settings
     local = bool(s.gpu_local_window and lm.device.type == "cuda")
-    out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{int(s.preselect_block)}"
-                f"-local{int(local)}", "decode", lambda: _attention(lm, s, None))]
+    votes = int(s.preselect_block) + 2 * int(s.question_blocks > 0)
+    out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{votes}"
+                f"-nb{int(s.select_neighbours)}-local{int(local)}", "decode",
+                lambda: _attention(lm, s, None))]
     if s.prefill == "MINFERENCE":
         from ktlong.minference import resolve_plan
 
@@ -255,7 +257,9 @@ def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
     ws = dataclasses.replace(
         settings, init_len=bs, local_windows_len=2 * bs, second_select_num=2, dense_layer_num=1,
         layer_step=1, token_step=1, preselect_block_count=4, max_seq_len=16 * bs,
-        preselect_window=min(settings.preselect_window, 64), prefill_vertical=16,
+        question_blocks=min(settings.question_blocks, 1),
+        preselect_window=min(settings.preselect_window, 64),
+        question_window=min(settings.question_window, 8), prefill_vertical=16,
         prefill_slash=16, prefill_patterns="")
     spec = dataclasses.replace(lm.spec, n_layers=2, n_heads=hq, n_kv_heads=hkv)
     dev = lm.device
@@ -285,7 +289,7 @@ def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
         router = AttentionRouter(store, policy, dev, local, ca)
         with torch.inference_mode():
             # the document: the engine's prefill (a forward of n0 tokens)
-            capture = ws.preselect_window if policy.wants_votes() else 0
+            capture = policy.vote_window()
             router.begin(sparse=False, capture=min(capture, n0), total=n0)
             q, k, v = qkv(n0)
             for layer in range(2):

@@ -1,0 +1,187 @@
+"""Selection fixes for retrieval: the question's pinned blocks and neighbouring blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ktlong import kernels
+from ktlong.engine import Sampling
+from ktlong.errors import KtlongError
+from ktlong.selection import rope_shift, with_neighbours
+
+from .models import settings
+from .test_selection import _q, _session
+
+BS, LOCAL = 16, 64  # the test settings' block_size and local window
+
+
+def test_with_neighbours_takes_each_best_block_then_the_one_after():
+    cand = np.array([1, 2, 3, 5, 6, 9, 10], np.int32)
+    scores = np.array([[0.0, 0.1, 0.9, 0.2, 0.8, 0.3, 0.0]], np.float32)  # best: 3, 6, 9
+    # 3 and 6 (4 and 7 are not candidates), then 9 and its successor 10
+    assert with_neighbours(scores, cand, 4).tolist() == [[3, 6, 9, 10]]
+    assert with_neighbours(scores, cand, 2).tolist() == [[3, 6]]
+    # a successor that is also a top block is not taken twice; k never exceeds the candidates
+    assert with_neighbours(np.array([[5, 4, 3, 2, 1, 0, 0]], np.float32), cand, 3).tolist() \
+        == [[1, 2, 3]]
+    assert with_neighbours(scores, cand, 99).shape == (1, 7)
+    other = np.array([0.9, 0, 0, 0, 0, 0, 0.1], np.float32)  # best: 1, then its successor 2
+    two = with_neighbours(np.stack([scores[0], other]), cand, 2)  # one row per KV head
+    assert two.tolist() == [[3, 6], [1, 2]]
+
+
+def test_question_blocks_are_the_votes_best_and_read_at_every_step():
+    s = _session(anchor_type="MEAN", question_blocks=3, second_select_num=8,
+                 question_positions="AS_IS")
+    n = len(s.tokens)
+    local0 = (n - LOCAL) // BS
+    pins = s.policy._pins[0]
+    assert pins.size == 3 and np.all(np.diff(pins) > 0) and pins.min() >= 1 and pins.max() < local0
+    # the pins: per block, its best attention share from any of the question's last queries
+    # (question_window) in any head, summed over the voting layers (here every layer)
+    W = s.settings.question_window
+    vote = np.zeros(local0)
+    for layer in range(2):
+        k_base, _, k_tail, _, nb_base = s.store.kernel_args(layer)
+        qw = s.router.captured[layer].numpy()[:, -W:]  # [Hq, W, d]
+        best = np.zeros(local0)
+        for w in range(W):
+            v = kernels.query_votes_ref(qw[:, w:w + 1], k_base, k_tail, nb_base, n - W + w + 1,
+                                        s.policy.scale, s.store.kv_kind)  # [Hkv, n']
+            best = np.maximum(best, v[:, : local0 * BS].reshape(-1, local0, BS).sum(2).max(0))
+        vote += best
+    want = np.argsort(-vote[1:local0], kind="stable")[:3] + 1
+    assert pins.tolist() == sorted(want.tolist())
+    assert all(np.array_equal(s.policy._pins[layer], pins) for layer in range(2))
+    for seed in range(4):  # whatever the token's query, the pins are read, within the budget
+        row = s.policy.select(0, _q(s, seed), n)[0]
+        assert np.all(np.diff(row) > 0)
+        middle = [b for b in row.tolist() if 1 <= b < local0]
+        assert set(pins.tolist()) <= set(middle) and len(middle) == 8
+
+
+def test_question_blocks_step_equals_attention_over_its_blocks():
+    """The fused select+attend step with pins reads exactly init + pins + top-k + local."""
+    s = _session(anchor_type="MEAN", question_blocks=2, second_select_num=6, kv_type="FP32",
+                 question_positions="AS_IS")
+    n = len(s.tokens)
+    q = _q(s, 5)
+    step = s.policy.plan(0, q, n)
+    assert step.candidates is not None and step.k == 4 and step.pins.size == 2
+    assert not set(step.candidates.tolist()) & set(step.pins.tolist())
+    out, lse = s.policy.attend(step, float(s.policy.scale))
+    k_base, v_base, k_tail, v_tail, nb_base = s.store.kernel_args(0)
+    ref, ref_lse = kernels.attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base,
+                                             step.blocks(), n, float(s.policy.scale),
+                                             s.store.kv_kind)
+    assert step.blocks().shape[1] == 1 + 2 + 4 + (-(-n // BS) - (n - LOCAL) // BS)
+    np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_neighbours_keep_the_budget_and_pair_blocks(mode):
+    s = _session(anchor_type="MEAN", select_neighbours=True, second_select_num=8,
+                 head_select_mode=mode)
+    n = len(s.tokens)
+    local0 = (n - LOCAL) // BS
+    q = _q(s, 2)
+    blocks = s.policy.select(0, q, n)
+    cand = np.arange(1, local0, dtype=np.int32)
+    scores = kernels.score_blocks(q, s.store.anchors[0], cand, False, mode == "SHARED")
+    for r, row in enumerate(blocks):
+        picked: list[int] = []  # the reference: best first, each followed by its successor
+        for b in cand[np.argsort(-scores[r], kind="stable")].tolist():
+            for c in (b, b + 1):
+                if c < local0 and c not in picked and len(picked) < 8:
+                    picked.append(c)
+        middle = [b for b in row.tolist() if 1 <= b < local0]
+        assert middle == sorted(picked)
+        assert sum(b + 1 in middle for b in middle) >= 4  # pairs
+    # the step that attends chooses the same blocks
+    step = s.policy.plan(0, q, n)
+    s.policy.attend(step, float(s.policy.scale))
+    assert np.array_equal(step.blocks(), blocks)
+
+
+def test_pins_and_neighbours_decode_and_count_their_reads():
+    s = _session(anchor_type="MAX", question_blocks=2, select_neighbours=True,
+                 second_select_num=8)
+    steps = list(s.generate(Sampling(max_new_tokens=4)))
+    n = len(s.tokens) - 1
+    nb, local0 = -(-n // BS), (n - LOCAL) // BS
+    assert steps[-1].stats.attended_share == pytest.approx((1 + 8 + nb - local0) / nb, abs=0.02)
+
+
+def test_question_blocks_beyond_the_budget_is_refused():
+    with pytest.raises(KtlongError, match="question_blocks"):
+        settings(question_blocks=9, second_select_num=8)
+
+
+def _rope(x, pos, inv):
+    """HF's rotate-half RoPE of x [n, d] at positions pos [n] (float64)."""
+    ang = pos[:, None] * inv[None]  # [n, h]
+    c, s = np.cos(np.concatenate([ang, ang], 1)), np.sin(np.concatenate([ang, ang], 1))
+    h = inv.size
+    rot = np.concatenate([-x[:, h:2 * h], x[:, :h]], 1)
+    return x * c + rot * s
+
+
+def test_rope_shift_moves_a_query_as_a_key_moves_the_other_way():
+    rng = np.random.default_rng(0)
+    inv = 1e4 ** (-np.arange(0, 32, 2) / 32)  # d 32
+    q_raw, k_raw = rng.standard_normal((1, 32)), rng.standard_normal((1, 32))
+    pq, pk, delta = 70_000, 1_000, 60_000
+    q = _rope(q_raw, np.array([pq]), inv).astype(np.float32)
+    k = _rope(k_raw, np.array([pk]), inv)
+    k_moved = _rope(k_raw, np.array([pk + delta]), inv)
+    shifted = rope_shift(q, inv, -delta)
+    np.testing.assert_allclose(shifted @ k.T, q.astype(np.float64) @ k_moved.T, rtol=1e-4)
+    np.testing.assert_allclose(np.linalg.norm(shifted), np.linalg.norm(q), rtol=1e-6)
+    near = _rope(q_raw, np.array([pk + 4096]), inv) @ k.T  # what a query 4,096 later sees
+    np.testing.assert_allclose(rope_shift(q, inv, -(pq - pk - 4096)) @ k.T, near, rtol=1e-4)
+
+
+def test_near_positions_read_each_pin_as_if_before_the_local_window():
+    """The step's output equals exact attention over init + chosen + local with the pins' keys
+    re-rotated to the m blocks before the local window (a NumPy reference)."""
+    s = _session(anchor_type="MEAN", question_blocks=3, second_select_num=6,
+                 question_positions="NEAR")
+    n = len(s.tokens)
+    pol = s.policy
+    assert pol.inv_freq is not None
+    q = _q(s, 7)
+    step = pol.plan(1, q, n)
+    pins = step.pins.copy()
+    assert pins.size == 3
+    out, lse = pol.attend(step, float(pol.scale))
+    blocks = step.blocks()[0]
+    k_all, v_all = (t.double().numpy() for t in s.store.token_range(1, 0, n))  # [Hkv, n, d]
+    g = q.shape[0] // k_all.shape[0]
+    m, local0 = pins.size, step.local0
+    ref = np.zeros_like(out, dtype=np.float64)
+    for h in range(q.shape[0]):
+        ks, vs = [], []
+        for b in blocks.tolist():
+            tok = np.arange(b * BS, min(n, (b + 1) * BS))
+            kb = k_all[h // g, tok]
+            if b in pins:
+                delta = (local0 - m + int(np.searchsorted(pins, b)) - b) * BS
+                kb = _rope_turn(kb, pol.inv_freq, delta)
+            ks.append(kb)
+            vs.append(v_all[h // g, tok])
+        kk, vv = np.concatenate(ks), np.concatenate(vs)
+        sc = float(pol.scale) * (kk @ q[h].astype(np.float64))
+        p = np.exp(sc - sc.max())
+        ref[h] = p @ vv / p.sum()
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4)
+    as_is = _session(anchor_type="MEAN", question_blocks=3, second_select_num=6,
+                     question_positions="AS_IS")
+    o2, _ = as_is.policy.attend(as_is.policy.plan(1, q, n), float(pol.scale))
+    assert not np.allclose(o2, out, atol=1e-4)  # the turn changes what is read
+
+
+def _rope_turn(k, inv, delta):
+    """Rotated keys k [n, d] moved `delta` positions later (rotate-half layout)."""
+    return rope_shift(k.astype(np.float32), inv, delta).astype(np.float64)
