@@ -149,6 +149,12 @@ def _file_rss() -> int:
         return 0
 
 
+def _punch(m: mmap.mmap, start: int, n: int) -> None:
+    """Free the file's pages under bytes [start, start + n) of the shared mapping `m` (page
+    aligned): they read as zeros again."""
+    m.madvise(mmap.MADV_REMOVE, start, n)
+
+
 class TierFile:
     """The disk tier's file: an anonymous-after-creation file under `folder`, mapped shared.
 
@@ -180,6 +186,22 @@ class TierFile:
         a = np.frombuffer(self.mmap, dtype, int(np.prod(shape)), off).reshape(shape)
         self.offset += KVStore.tail_bytes(shape, dtype)
         return a, off
+
+    def clear(self, start: int, end: int) -> None:
+        """Bytes [start, end) read as zeros again; their whole pages go back to the file system
+        (a hole punched through the mapping) where it can, else they stay reserved."""
+        page = mmap.PAGESIZE
+        a, b = -(-start // page) * page, end // page * page
+        if a >= b:
+            self.mmap[start:end] = bytes(end - start)
+            return
+        self.mmap[start:a] = bytes(a - start)
+        self.mmap[b:end] = bytes(end - b)
+        try:
+            _punch(self.mmap, a, b - a)
+        except (AttributeError, OSError):  # no hole punching here: zero the pages instead
+            for o in range(a, b, 1 << 26):
+                self.mmap[o:min(b, o + (1 << 26))] = bytes(min(b, o + (1 << 26)) - o)
 
     def prefetch(self, runs: list[tuple[int, int]]) -> None:
         """Start reading the byte runs (offset, length) into the page cache, all at once (the
@@ -299,6 +321,36 @@ class KVStore:
             self._maps.append(self.tier.mmap)
         self.nb_base = nb
         self._views = [None] * self.shape.n_layers  # the kernels' views of the old arrays
+
+    def adopt_base(self, src: KVStore) -> None:
+        """Read blocks [nb_base, src.nb_base) from `src`'s memory-mapped base, a prompt-cache
+        entry just written from this store (the same tokens), and give this store's copy of
+        them on the disk tier back to the file system: a saved document is on disk once, not
+        twice. The tail stays where it is in the tier file, laid out again for the blocks from
+        `src.nb_base` on. Nothing to do for a RAM tail."""
+        drop = src.nb_base - self.nb_base
+        if self.tier is None or drop <= 0:
+            return
+        bs, L = self.shape.block_size, self.shape.n_layers
+        keep = -(-self.length // bs) - src.nb_base  # blocks the new tail holds
+        blk = self.block_bytes // (2 * self.shape.n_kv_heads)  # one head-block of K (or V)
+        for layer in range(L):
+            for i, tails in enumerate((self.k_tail, self.v_tail)):
+                old = tails[layer]  # [H, T, bs, row]
+                H, T = old.shape[:2]
+                off, t = self._tier_off[layer][i], T - drop
+                new = np.frombuffer(self.tier.mmap, old.dtype, H * t * bs * self.row,
+                                    off).reshape(H, t, bs, self.row)
+                for h in range(H):  # each head moves back: its destination precedes its source
+                    new[h, :keep] = old[h, drop:drop + keep]
+                for h in range(H):  # what the new layout leaves free reads as zeros again
+                    self.tier.clear(off + (h * t + keep) * blk, off + (h + 1) * t * blk)
+                self.tier.clear(off + H * t * blk, off + H * T * blk)
+                tails[layer] = new
+        self.k_base, self.v_base, self.nb_base = src.k_base, src.v_base, src.nb_base
+        self._maps += [m for m in src._maps if m not in self._maps]
+        self._views = [None] * L
+        self._file_rss0 = _file_rss()
 
     @staticmethod
     def tail_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:

@@ -538,6 +538,11 @@ def open_document(
             path = cache.store(session, ck)
         except KtlongError as e:
             return Opened(session, source, None, f"{e.message} ({e.hint})")
+        if session.store.tier is not None:  # read the entry's copy, free the tier's
+            header, offset = read_header(path)
+            entry, _ = map_entry(path, header, offset, settings.max_seq_len,
+                                 settings.anchor_type, settings.anchor_num)
+            session.store.adopt_base(entry)
     return Opened(session, source, path, note)
 
 

@@ -192,3 +192,60 @@ def test_a_chat_on_the_disk_tier_answers_as_in_ram(tmp_path):
         answers.append([x.token_id for x in s.generate(Sampling(max_new_tokens=10))])
         assert s.policy.attended_share() < 0.6  # the steps did choose blocks
     assert answers[0] == answers[1]
+
+
+def test_tier_clear_reads_zeros_and_punches_whole_pages(tmp_path, monkeypatch):
+    import mmap
+
+    from ktlong import kvstore
+
+    store = KVStore(StoreShape(1, 1, 64, 16, "Q8_0", 1), 8192, tier_dir=tmp_path)
+    m, page = store.tier.mmap, mmap.PAGESIZE
+    m[:] = b"\x07" * len(m)
+    punched = []
+    real = kvstore._punch
+    monkeypatch.setattr(kvstore, "_punch", lambda mm, a, n: (punched.append((a, n)),
+                                                             real(mm, a, n)))
+    store.tier.clear(100, 3 * page + 10)
+    assert m[99] == 7 and m[3 * page + 10] == 7
+    assert m[100:3 * page + 10] == bytes(3 * page + 10 - 100)
+    assert punched == [(page, 2 * page)]  # only the whole pages inside the range
+    store.tier.clear(5, 50)  # within one page: zeroed, nothing punched
+    assert m[5:50] == bytes(45) and len(punched) == 1
+
+
+def test_a_saved_document_on_the_disk_tier_is_read_from_its_cache_entry(tmp_path, monkeypatch):
+    """After the prompt cache saves a document prefilled on the disk tier, the store reads the
+    entry and gives back the tier's copy: the same answers, and the cleared bytes cover the
+    document's blocks."""
+    from ktlong.engine import Sampling
+    from ktlong.kvstore import TierFile
+    from ktlong.model import load_model
+    from ktlong.promptcache import open_document
+    from ktlong.tinymodel import filler_text
+
+    from .models import hf_model, settings
+
+    lm = load_model(hf_model("llama", head_dim=32), device="CPU", dtype="float32")
+    ids = lm.tokenizer(filler_text(700, seed=3))["input_ids"][:700]
+    cleared = []
+    real_clear = TierFile.clear
+    monkeypatch.setattr(TierFile, "clear",
+                        lambda self, a, b: (cleared.append(b - a), real_clear(self, a, b)))
+    answers, stores = [], []
+    for tier in ("RAM", "DISK"):
+        st = settings(kv_type="Q8_0", kv_tier=tier, cache_dir=str(tmp_path / tier),
+                      max_seq_len=1024)
+        opened = open_document(lm, st, ids)
+        s = opened.session
+        stores.append(s.store)
+        assert opened.entry is not None and opened.source == "prefill"
+        answers.append([x.token_id for x in s.generate(Sampling(max_new_tokens=10))])
+    ram, disk = stores
+    assert disk.nb_base == (700 - 1) // 16 and ram.nb_base == 0
+    for layer in range(ram.shape.n_layers):
+        torch.testing.assert_close(disk.token_range(layer, 0, 710), ram.token_range(layer, 0, 710),
+                                   rtol=0, atol=0)
+    assert answers[0] == answers[1]
+    doc = disk.nb_base * disk.block_bytes * disk.shape.n_layers  # K + V of the saved blocks
+    assert sum(cleared) >= doc  # their bytes in the tier (and the unused room) were given back
