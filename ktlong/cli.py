@@ -563,6 +563,9 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                      min=2, help="With --shape: tokens decoded per run.")] = 16,
                  runs: Annotated[int, typer.Option(
                      min=1, help="With --shape: decode runs (the median is reported).")] = 3,
+                 profiles: Annotated[str, typer.Option(
+                     help="With --shape: settings profiles (names or YAML files), "
+                          "comma-separated, each in its own process.")] = "default",
                  plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
     """Sparse decode speed against context length: one layer's attention (kernels only), or a
     whole model over a synthetic KV cache (--shape)."""
@@ -581,12 +584,14 @@ def bench_decode(contexts: Annotated[str, typer.Option(
             raise KtlongError(f"--shape {shape} --weights {weights}: choose a shape from "
                               f"{list(SHAPES)} and weights from {', '.join(WEIGHTS)}")
         cache = resolve(None).settings.cache_dir
+        names = tuple(p.strip() for p in profiles.split(",") if p.strip()) or ("default",)
         data = decodemodel.run(lengths, kv_types, kv_tier, steps, runs, threads,
                                (shape, layers, weights), cache,
-                               lambda m: print(m, file=sys.stderr, flush=True))
+                               lambda m: print(m, file=sys.stderr, flush=True), names)
         data["command"] = (f"ktlong bench decode --shape {shape} --layers {layers} --weights "
                            f"{weights} --contexts {contexts} --kv-type {','.join(kv_types)} "
                            f"--kv-tier {kv_tier} --steps {steps} --runs {runs}"
+                           f"{f' --profiles {profiles}' if profiles != 'default' else ''}"
                            f"{f' -t {threads}' if threads else ''}")
         if as_json:
             import json

@@ -373,6 +373,11 @@ class SelectionPolicy:
         pins = pins.astype(np.int32)
         self._pins = {layer: pins for layer in range(self.store.shape.n_layers)}
 
+    def pinned(self) -> np.ndarray:
+        """`[m]` int32: the question's blocks every layer reads now (none without
+        question_blocks, or before a question on a long enough context)."""
+        return next(iter(self._pins.values()), _NONE)
+
     def voting_layers(self) -> list[int]:
         """The layers whose queries pick the question's blocks: `question_layers` of the sparse
         ones, evenly spaced (every one when there are no more)."""

@@ -183,7 +183,7 @@ def test_decodemodel_worker_q4_0_on_disk(tmp_path):
     assert r["tok_s"] > 0 and len(r["runs_tok_s"]) == 1
     per_token = 2 * 2 * 2 * kvquant.row_bytes(4, 32)  # layers, KV heads, K and V, 20-byte rows
     assert r["kv_bytes"] % per_token == 0
-    assert context < r["kv_bytes"] // per_token <= context + steps + 1
+    assert context < r["kv_bytes"] // per_token <= context + decodemodel.QUESTION + steps
     assert (tmp_path / "tier").is_dir()  # the disk tier was made there ...
     assert list((tmp_path / "tier").iterdir()) == []  # ... and its file unlinked
     assert r["rss_anon_gb"] > 0
@@ -203,3 +203,20 @@ def test_bench_decode_plot_has_a_line_per_kv_type(tmp_path):
                      "sparse step, Q4_0 KV (1 anchor per block)": [0.45, 0.65],
                      "dense (fastest exact path, BF16 KV)": [1.3, 84.0]}
     assert "BF16, Q4_0 KV" in fig._suptitle.get_text()
+
+
+def test_decodemodel_worker_runs_a_profile_with_the_questions_blocks(tmp_path):
+    """--profiles: the worker decodes under a YAML profile; the question re-fed before each run
+    takes its votes (question_s), and the steps read the pinned blocks."""
+    from ktlong.bench import decodemodel
+    from ktlong.tinymodel import write_gguf
+
+    from .models import hf_model
+
+    gguf = write_gguf(hf_model("llama", head_dim=32), tmp_path / "m.gguf", "F32")
+    prof = tmp_path / "pins.yaml"
+    prof.write_text("block_size: 16\ninit_len: 16\nlocal_windows_len: 64\n"
+                    "second_select_num: 8\nquestion_blocks: 2\nkv_type: FP32\n")
+    r = decodemodel.worker(str(gguf), "BF16", "ram", 800, 3, 1, 1, str(tmp_path), str(prof))
+    assert r["profile"] == str(prof) and r["tok_s"] > 0 and r["question_s"] > 0
+    assert r["pinned"] == 2

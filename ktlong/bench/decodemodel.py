@@ -2,8 +2,10 @@
 
 No prefill: each KV type's store is filled with random rows (every layer, `context` tokens: at 1M
 tokens and 32 layers that is 38 GB of Q4_0, which the disk tier writes to its file), anchors are
-built from them by the same kernel a prefill uses, and the model then decodes over that store with
-the default profile (one token re-fed, then `steps` tokens, `runs` times from the same point).
+built from them by the same kernel a prefill uses, and the model then decodes over that store
+with each profile: a 32-token question is prefilled after the context (its votes, for a profile
+with question_blocks, are timed as `question_s`), then `steps` tokens, `runs` times from the same
+point.
 Weights are the random GGUF of `ktlong bench e2e --shape` (ktlong.bench.genmodel). Each KV type
 runs in a fresh process, so its memory figures are its own: RssAnon (anonymous memory: what the
 file mappings, weights and a disk-tier KV, leave out) and RssFile after the decode, and the bytes
@@ -20,6 +22,7 @@ import time
 from typing import Any
 
 FILL_TOKENS = 16384  # tokens per layer filled at a time
+QUESTION = 32  # tokens of the question prefilled before each decode run
 
 
 def _proc_kb(key: str) -> int:
@@ -53,7 +56,7 @@ def _rows(store: Any, n: int, seed: int) -> Any:
 
 
 def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: int,
-           threads: int, cache_dir: str) -> dict[str, Any]:
+           threads: int, cache_dir: str, profile: str = "default") -> dict[str, Any]:
     import dataclasses
 
     from ktlong.config import resolve_settings
@@ -62,8 +65,8 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
     from ktlong.warmup import work_clock
 
     lm = dataclasses.replace(load_model(model, device="CPU"), eos_ids=())
-    st = resolve_settings("default", {
-        "max_seq_len": context + steps + 64, "threads_num": threads, "kv_type": kv_type,
+    st = resolve_settings(profile, {
+        "max_seq_len": context + QUESTION + steps + 64, "threads_num": threads, "kv_type": kv_type,
         "kv_tier": tier.upper(), "cache_dir": cache_dir}, config_file=False).settings
     session = Session(lm, st)  # compiles (or loads) its kernels here
     store = session.store
@@ -78,18 +81,23 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
     t0 = time.perf_counter()
     session.policy.complete_anchors()
     anchors_s = time.perf_counter() - t0
-    windows, io0 = [], _read_bytes()
+    windows, io0, question_s = [], _read_bytes(), []
     decoded = 0
     for _ in range(runs):
         session.truncate(context)
-        session.prefill([1])  # one token over the synthetic context: the decode path
+        t0 = work_clock()
+        session.prefill(list(range(1, QUESTION + 1)))  # the question, over the synthetic context
+        question_s.append(work_clock() - t0)
+        pinned = int(session.policy.pinned().size)
         stamps = [work_clock()]
         for _step in session.generate(Sampling(max_new_tokens=steps)):
             stamps.append(work_clock())
         windows.append([len(stamps) - 1, stamps[-1] - stamps[0]])
         decoded += len(stamps)
     rates = sorted(n / s for n, s in windows)
-    return {"kv_type": kv_type, "kv_tier": tier, "context": context, "layers": lm.spec.n_layers,
+    return {"profile": profile, "kv_type": kv_type, "kv_tier": tier, "context": context,
+            "layers": lm.spec.n_layers, "question_s": sorted(question_s)[len(question_s) // 2],
+            "pinned": pinned,
             "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "fill_s": fill_s,
             "anchors_s": anchors_s, "kv_bytes": store.nbytes_used(),
             "disk_read_per_token": (_read_bytes() - io0) / max(decoded, 1),
@@ -98,7 +106,8 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
 
 
 def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: int,
-        threads: int, gen: tuple[str, int, str], cache_dir: str, log: Any) -> dict[str, Any]:
+        threads: int, gen: tuple[str, int, str], cache_dir: str, log: Any,
+        profiles: tuple[str, ...] = ("default",)) -> dict[str, Any]:
     from ktlong.bench import genmodel
     from ktlong.bench import plot as plotting
     from ktlong.config import ktlong_home
@@ -107,16 +116,12 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
     path, origin = genmodel.build(ktlong_home() / "bench-models", name, layers, weights, log)
     rows = []
     for n in contexts:
-        for kv_type in kv_types:  # one fresh process each: its memory figures are its own
-            log(f"{kv_type} KV, {tier} tier, {n:,} tokens ...")
-            args = json.dumps([str(path), kv_type, tier, n, steps, runs, threads, cache_dir])
-            proc = subprocess.run([sys.executable, "-m", "ktlong.bench.decodemodel", args],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise RuntimeError(f"the {kv_type} worker failed: {tail}")
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    for r in rows:  # speed over the first kv_type's at the same context
+        for profile in profiles:
+            for kv_type in kv_types:  # one fresh process each: its memory figures are its own
+                log(f"{profile}: {kv_type} KV, {tier} tier, {n:,} tokens ...")
+                rows.append(_spawn([str(path), kv_type, tier, n, steps, runs, threads,
+                                    cache_dir, profile]))
+    for r in rows:  # speed over the first row's at the same context
         base = next(b for b in rows if b["context"] == r["context"])
         r["vs_first_type"] = r["tok_s"] / base["tok_s"]
     return {"bench": "decode-model", "machine": plotting.machine(),
@@ -125,27 +130,40 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
             "runs": runs, "rows": rows}
 
 
+def _spawn(args: list[Any]) -> dict[str, Any]:
+    """One worker in a fresh process (its memory figures are its own): its JSON row."""
+    proc = subprocess.run([sys.executable, "-m", "ktlong.bench.decodemodel", json.dumps(args)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the {args[-1]} {args[1]} worker failed: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def print_table(data: dict[str, Any]) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"decode over a synthetic KV cache: {data['model']}, "
-                        f"{data['kv_tier']} tier, default profile, median of {data['runs']} runs "
+                        f"{data['kv_tier']} tier, median of {data['runs']} runs "
                         f"of {data['steps']} tokens", box=box.SIMPLE_HEAD)
-    for col in ("context", "KV", "tok/s", "x first", "KV\nGB", "disk\nMB/tok",
-                "anon\nGB", "file\nGB", "fill\ns", "anch.\ns"):
+    for col in ("context", "profile", "KV", "tok/s", "question\ns", "x first", "KV\nGB",
+                "disk\nMB/tok", "anon\nGB", "file\nGB", "fill\ns", "anch.\ns"):
         table.add_column(col, justify="right")
     for r in data["rows"]:
-        table.add_row(f"{r['context']:,}", r["kv_type"], f"{r['tok_s']:.2f}",
+        table.add_row(f"{r['context']:,}", r.get("profile", "default"), r["kv_type"],
+                      f"{r['tok_s']:.2f}", f"{r.get('question_s', 0):.2f}",
                       f"{r['vs_first_type']:.2f}x", f"{r['kv_bytes'] / 1e9:.1f}",
                       f"{r['disk_read_per_token'] / 1e6:.1f}", f"{r['rss_anon_gb']:.2f}",
                       f"{r['rss_file_gb']:.2f}", f"{r['fill_s']:.0f}", f"{r['anchors_s']:.0f}")
     console = Console()
     console.print(table)
-    console.print("x first: tok/s over the first KV type's; disk MB/tok: bytes read from the "
-                  "disk per decoded token; anon / file GB: RssAnon / RssFile after the decode; "
-                  "fill, anch.: seconds to write the synthetic KV and build its anchors")
+    console.print("x first: tok/s over the first row's at that context; question s: the "
+                  f"{QUESTION}-token question's prefill (and its votes); disk MB/tok: bytes "
+                  "read from the disk per decoded token; anon / file GB: RssAnon / RssFile "
+                  "after the decode; fill, anch.: seconds to write the synthetic KV and build "
+                  "its anchors")
 
 
 if __name__ == "__main__":
