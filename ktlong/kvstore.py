@@ -14,6 +14,8 @@ FP16: Numba cannot read float16/bfloat16 arrays), or as bytes of Q8_0 / Q4_0 blo
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 import tempfile
@@ -147,6 +149,24 @@ def _file_rss() -> int:
             return int(f.read().split()[2]) * mmap.PAGESIZE
     except OSError:  # no procfs (not Linux): never release early
         return 0
+
+
+HUGE_REGION = 8 << 20  # bytes a head's tail region holds before it takes 2 MB pages
+
+
+def _advise(a: np.ndarray, advice: int) -> bool:
+    """madvise the whole pages inside array `a`'s memory; False where the OS refuses."""
+    page = mmap.PAGESIZE
+    start = -(-a.ctypes.data // page) * page
+    end = (a.ctypes.data + a.nbytes) // page * page
+    if end <= start:
+        return False
+    return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _punch(m: mmap.mmap, start: int, n: int) -> None:
@@ -297,6 +317,14 @@ class KVStore:
         else:
             self.k_tail = [np.zeros(tail_shape, dtype) for _ in range(s.n_layers)]
             self.v_tail = [np.zeros(tail_shape, dtype) for _ in range(s.n_layers)]
+            # 4 KB pages until a head's region holds HUGE_REGION bytes: its first token would
+            # otherwise bring in a 2 MB page (NumPy asks for them), 1 GB at 8B widths for a
+            # short document; past that the 2 MB pages save the decode's TLB misses
+            small = getattr(mmap, "MADV_NOHUGEPAGE", None)
+            self._huge_from = max(1, HUGE_REGION // (self.row * np.dtype(dtype).itemsize))
+            self._huge = [small is None or not all(_advise(t[layer], small)
+                                                    for t in (self.k_tail, self.v_tail))
+                          for layer in range(s.n_layers)]
 
     def detach_base(self, nb: int) -> None:
         """Use only the base's first `nb` blocks: the rest, and the tail, are copied into a new
@@ -405,6 +433,10 @@ class KVStore:
         self.k_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = k
         self.v_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = v
         self.lengths[layer] = start + n
+        if self.tier is None and not self._huge[layer] and off + n >= self._huge_from:
+            for t in (self.k_tail, self.v_tail):
+                _advise(t[layer], mmap.MADV_HUGEPAGE)
+            self._huge[layer] = True
         return start
 
     def truncate(self, n_tokens: int) -> None:

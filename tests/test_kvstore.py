@@ -249,3 +249,30 @@ def test_a_saved_document_on_the_disk_tier_is_read_from_its_cache_entry(tmp_path
     assert answers[0] == answers[1]
     doc = disk.nb_base * disk.block_bytes * disk.shape.n_layers  # K + V of the saved blocks
     assert sum(cleared) >= doc  # their bytes in the tier (and the unused room) were given back
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_a_short_document_does_not_take_a_huge_page_per_head():
+    """Each (layer, K/V, head) region is sized for max_seq_len; its first token must not bring in
+    a 2 MB page (8 layers x 2 x 8 heads x 2 MB = 256 MB for a few KB of KV). Past HUGE_REGION
+    bytes a region asks for 2 MB pages again."""
+    from ktlong import kvstore
+
+    shape = StoreShape(8, 8, 128, 128, "BF16", 1)
+    before = _rss_anon()
+    store = KVStore(shape, 131072)  # 32 MB per head region
+    rows = np.ones((8, 100, 128), np.uint16)
+    for layer in range(8):
+        store.write_rows(layer, rows, rows)
+    grown = _rss_anon() - before
+    assert grown < 40 << 20, f"{grown >> 20} MB for 100 tokens"
+    assert not any(store._huge)
+    more = np.ones((8, kvstore.HUGE_REGION // 256, 128), np.uint16)  # fills 8 MB a region
+    store.write_rows(0, more, more)
+    assert store._huge[0] and not store._huge[1]
+    k, _ = store.token_range(0, 90, 110)
+    assert torch.equal(k, from_storage(np.ones((8, 20, 128), np.uint16), "BF16"))
