@@ -338,17 +338,15 @@ class SelectionPolicy:
         """The question's blocks, read by every layer for the whole answer: those holding the
         keys its last `question_window` queries attend to most. Each query row of each voting
         layer gives every block the largest attention share any of its heads gives the
-        block's keys; a block's vote in a layer is its best share over the rows. A max, not
-        SnapKV's sum: one question token that finds its match (a name, a number) outvotes many
-        that spread over look-alike sentences. The pins are then taken in turns from the
-        ranking by the votes summed over the layers and from each layer's own ranking, so a
-        block that one layer alone finds (often the layer that matches names) is kept."""
+        block's keys; a block's vote is its best share over the rows, summed over the layers.
+        A max, not SnapKV's sum: one question token that finds its match (a name, a number)
+        outvotes many that spread over look-alike sentences."""
         local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs
         cand = np.arange(self.n_init, local0, dtype=np.int32)
         if cand.size == 0:
             self._pins = {}
             return
-        votes = []  # [local0] per voting layer
+        vote = np.zeros(local0, np.float32)
         for layer in self.voting_layers():
             qw = captured.get(layer)
             if qw is None:
@@ -363,11 +361,10 @@ class SelectionPolicy:
                                         self.store.kv_kind)  # [Hkv, n]
                 per_block = v[:, : local0 * self.bs].reshape(-1, local0, self.bs).sum(2)
                 np.maximum(best, per_block.max(0), out=best)
-            votes.append(best)
+            vote += best
             if self.store.mapped:
                 self.store.release_mapped()
-        rankings = [cand[np.argsort(-v[cand], kind="stable")] for v in [sum(votes), *votes]]
-        order = np.array(list(dict.fromkeys(np.stack(rankings, 1).ravel().tolist())), np.int32)
+        order = cand[np.argsort(-vote[cand], kind="stable")]
         m = min(self.s.question_blocks, cand.size)
         if self.s.select_neighbours:
             pins = with_neighbours(-np.arange(cand.size, dtype=np.float32)[None], order, m)[0]
