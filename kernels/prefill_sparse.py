@@ -3,15 +3,24 @@
 A prefill chunk's queries `q [Hq, L, d]` sit at positions `q_start .. q_start + L - 1`; the
 layer's K/V (store layout, chunk included) hold `n_tokens = q_start + L` tokens. Queries are cut
 into blocks of QB rows (block b: rows b*QB ..). Every pattern becomes one index, per (query head,
-query block): key ranges `[s, e)` (ascending, disjoint) and single key columns (ascending, outside
-every range). `sparse_attend` computes, for each query row, exact softmax attention over the
-keys of its block's ranges and columns that are not after it (causal).
+query block): key ranges `[s, e)` (ascending, disjoint), single key columns (ascending, outside
+every range) and lone diagonals (offsets o: the query at position p reads key p - o).
+`sparse_attend` computes, for each query row, exact softmax attention over the keys of its
+block's ranges and columns that are not after it (causal), and over its lone diagonals' keys
+that exist and that the ranges and columns do not already hold.
+
+Ranges and columns are read in chunks of KC keys by every row of the block (register tiles of 4
+rows: a key row is loaded once for the block's 64 rows); a lone diagonal gives each row one key of
+its own (loaded for that row alone). A slash offset of Vertical-Slash becomes a range (64 rows x
+64 keys for the block's 64 useful pairs) where it runs with its neighbours, else a lone diagonal
+(64 pairs): `vs_index` picks per head by a cost model (LONE_COST).
 
 Index builders: `ashape_index` (first `init` keys + the `local` before the block), `vs_index`
-(slash offsets o give the ranges `[q0 - o, q1 - o)` of block [q0, q1), merged; vertical columns
-not inside them) and `block_index` (the key blocks of QB tokens picked per query block).
-Estimators: `vs_estimate` (softmax of the last W queries against every key, summed per column and
-per diagonal) and `pool_keys` (mean of each QB-token key block). Each has a NumPy `*_ref`.
+(slash offsets: ranges `[q0 - o, q1 - o)` of block [q0, q1), merged, or lone diagonals; vertical
+columns not inside the ranges) and `block_index` (the key blocks of QB tokens picked per query
+block). Estimators: `vs_estimate` (softmax of the last W queries against every key, summed per
+column and per diagonal) and `pool_keys` (mean of each QB-token key block). Each has a NumPy
+`*_ref`.
 """
 from __future__ import annotations
 
@@ -20,34 +29,44 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, LOG2E, NEG_INF, kv_to_f64
+from ._simd import F32, FASTMATH, LOG2E, NEG_INF, exp2_neg, kv_to_f64
 from ._vec import (
     W,
+    row_addr,
     vadd,
     vexp2_neg,
     vfma,
     vhmax,
     vhsum,
     vload,
+    vload2,
     vmax,
     vmul,
     vsplat,
+    vsplat4,
     vstore,
     vsub,
+    vsum4,
     vzero,
 )
-from .attention import LayerKV
+from .attention import CH, LayerKV, qk_tiles
 from .kvquant import kv_dim, row_to_f32
 from .threads import use_threads
 
 QB = 64  # query rows per index block (and the pooling block of Block-Sparse)
 KC = 64  # keys per inner chunk (a multiple of 2W)
+# A lone-diagonal pair costs about this many tiled pairs: its key row is read for one query, not
+# for a register tile of four (ad hoc, one thread, BF16: 12-20 ns a lone pair against 7 ns a
+# tiled one at head_dim 128; at head_dim 32 costs 2, 3 and 4 time alike, 6 and 8 slower)
+LONE_COST = 3
+SPAN = 512  # lone diagonals are read an offset span at a time (see _lone_pass)
 
 
 class PrefillIndex(NamedTuple):
     """Per (query head h, query block b): ranges[r_off[h, b] : + r_cnt[h, b]] ([s, e) int32
-    pairs, ascending, disjoint) and cols[c_off[h, b] : + c_cnt[h, b]] (ascending, outside the
-    ranges). Offsets int64 [Hq, nqb], counts int32 [Hq, nqb]."""
+    pairs, ascending, disjoint), cols[c_off[h, b] : + c_cnt[h, b]] (ascending, outside the
+    ranges) and diags[d_off[h, b] : + d_cnt[h, b]] (lone diagonal offsets, ascending). Offsets
+    int64 [Hq, nqb], counts int32 [Hq, nqb]."""
 
     r_off: np.ndarray
     r_cnt: np.ndarray
@@ -55,13 +74,24 @@ class PrefillIndex(NamedTuple):
     c_off: np.ndarray
     c_cnt: np.ndarray
     cols: np.ndarray  # [M] int32
+    d_off: np.ndarray
+    d_cnt: np.ndarray
+    diags: np.ndarray  # [K] int32
 
     def keys(self, h: int, b: int) -> np.ndarray:
-        """Sorted key positions of block b of head h (tests, references)."""
+        """Sorted key positions of the ranges and columns of block b of head h (every row of
+        the block reads them, up to itself)."""
         r = self.ranges[self.r_off[h, b]: self.r_off[h, b] + self.r_cnt[h, b]]
         c = self.cols[self.c_off[h, b]: self.c_off[h, b] + self.c_cnt[h, b]]
         parts = [np.arange(s, e) for s, e in r] + [c.astype(np.int64)]
         return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def row_keys(self, h: int, b: int, pos: int) -> np.ndarray:
+        """Sorted key positions the query at position `pos` (a row of block b) attends."""
+        k = self.keys(h, b)
+        o = self.diags[self.d_off[h, b]: self.d_off[h, b] + self.d_cnt[h, b]]
+        lone = pos - o.astype(np.int64)
+        return np.union1d(k[k <= pos], lone[lone >= 0])
 
 
 def n_qblocks(length: int) -> int:
@@ -71,24 +101,28 @@ def n_qblocks(length: int) -> int:
 def pack_index(heads: list[np.ndarray], parts: list[tuple], n_heads: int, nqb: int
                ) -> PrefillIndex:
     """Assemble a PrefillIndex from groups of heads, each with padded ranges
-    `[Hs, nqb, R, 2]` + counts `[Hs, nqb]` and padded cols `[Hs, nqb, C]` + counts."""
-    r_off = np.zeros((n_heads, nqb), np.int64)
-    r_cnt = np.zeros((n_heads, nqb), np.int32)
-    c_off = np.zeros((n_heads, nqb), np.int64)
-    c_cnt = np.zeros((n_heads, nqb), np.int32)
-    rs, cs, nr, nc = [], [], 0, 0
-    for hs, (rg, rn, cl, cn) in zip(heads, parts, strict=True):
-        keep = np.arange(rg.shape[2]) < rn[..., None]  # [Hs, nqb, R]
-        r_cnt[hs], r_off[hs] = rn, nr + (np.cumsum(rn.ravel()) - rn.ravel()).reshape(rn.shape)
-        rs.append(rg[keep])
-        nr += int(rn.sum())
-        keep = np.arange(cl.shape[2]) < cn[..., None]
-        c_cnt[hs], c_off[hs] = cn, nc + (np.cumsum(cn.ravel()) - cn.ravel()).reshape(cn.shape)
-        cs.append(cl[keep])
-        nc += int(cn.sum())
-    ranges = np.concatenate(rs).astype(np.int32) if rs else np.zeros((0, 2), np.int32)
-    cols = np.concatenate(cs).astype(np.int32) if cs else np.zeros(0, np.int32)
-    return PrefillIndex(r_off, r_cnt, ranges.reshape(-1, 2), c_off, c_cnt, cols)
+    `[Hs, nqb, R, 2]` + counts `[Hs, nqb]`, padded cols `[Hs, nqb, C]` + counts, and optionally
+    padded lone diagonals `[Hs, nqb, D]` + counts."""
+    offs = [np.zeros((n_heads, nqb), np.int64) for _ in range(3)]
+    cnts = [np.zeros((n_heads, nqb), np.int32) for _ in range(3)]
+    flat: list[list[np.ndarray]] = [[], [], []]
+    tot = [0, 0, 0]
+    for hs, part in zip(heads, parts, strict=True):
+        for k in range(3):
+            if 2 * k >= len(part):
+                continue
+            arr, cnt = part[2 * k], part[2 * k + 1]
+            keep = np.arange(arr.shape[2]) < cnt[..., None]  # [Hs, nqb, R]
+            cnts[k][hs] = cnt
+            offs[k][hs] = tot[k] + (np.cumsum(cnt.ravel()) - cnt.ravel()).reshape(cnt.shape)
+            flat[k].append(arr[keep])
+            tot[k] += int(cnt.sum())
+
+    def cat(k: int) -> np.ndarray:
+        return np.concatenate(flat[k]).astype(np.int32) if flat[k] else np.zeros(0, np.int32)
+
+    return PrefillIndex(offs[0], cnts[0], cat(0).reshape(-1, 2), offs[1], cnts[1], cat(1),
+                        offs[2], cnts[2], cat(2))
 
 
 # --- index builders -----------------------------------------------------------------------------
@@ -114,28 +148,58 @@ def ashape_index(n_heads: int, q_start: int, length: int, init: int, local: int)
 
 
 @njit(cache=True)
-def vs_index(vertical, slash, q_start, length):
+def lone_diagonals(slash, lone_cost):
+    """Which offsets of each head's ascending slash offsets [H, ks] to read as lone diagonals
+    -> [H, ks] bool. Offsets whose gaps are at most lone_cost form runs; a run of m offsets
+    spanning w stays a range (w + QB keys a row) if that costs no more than m lone keys a row at
+    lone_cost each. lone_cost <= 0: none (every offset a range)."""
+    h_n, ks_n = slash.shape
+    lone = np.zeros((h_n, ks_n), np.bool_)
+    if lone_cost <= 0:
+        return lone
+    for h in range(h_n):
+        i = 0
+        while i < ks_n:
+            j = i
+            while j + 1 < ks_n and slash[h, j + 1] - slash[h, j] <= lone_cost:
+                j += 1
+            if slash[h, j] - slash[h, i] + QB > lone_cost * (j - i + 1):
+                lone[h, i:j + 1] = True
+            i = j + 1
+    return lone
+
+
+@njit(cache=True)
+def vs_index(vertical, slash, q_start, length, lone_cost):
     """Vertical-Slash index. vertical [H, kv] int32 ascending key columns; slash [H, ks] int32
-    ascending diagonal offsets (query pos - key pos >= 0). Returns padded parts for pack_index:
-    ranges [H, nqb, ks, 2], counts [H, nqb], cols [H, nqb, kv], counts [H, nqb]."""
+    ascending diagonal offsets (query pos - key pos >= 0), each a range or a lone diagonal (see
+    `lone_diagonals`). Returns padded parts for pack_index: ranges [H, nqb, ks, 2], counts
+    [H, nqb], cols [H, nqb, kv], counts, diags [H, nqb, ks], counts."""
     h_n, kv_n, ks_n = vertical.shape[0], vertical.shape[1], slash.shape[1]
     nqb = (length + QB - 1) // QB
+    lone = lone_diagonals(slash, lone_cost)
     rg = np.zeros((h_n, nqb, max(ks_n, 1), 2), np.int32)
     rn = np.zeros((h_n, nqb), np.int32)
     cl = np.zeros((h_n, nqb, max(kv_n, 1)), np.int32)
     cn = np.zeros((h_n, nqb), np.int32)
+    dg = np.zeros((h_n, nqb, max(ks_n, 1)), np.int32)
+    dn = np.zeros((h_n, nqb), np.int32)
     tmp = np.zeros((max(ks_n, 1), 2), np.int32)
     for h in range(h_n):
         for b in range(nqb):
             q0 = q_start + b * QB
             q1 = min(q_start + length, q0 + QB)
             # offsets ascending -> ranges with descending starts; merge touching ones
-            n = 0
+            n = nd = 0
             for i in range(ks_n):
                 o = slash[h, i]
                 e = q1 - o
                 if e <= 0:
                     break
+                if lone[h, i]:
+                    dg[h, b, nd] = o
+                    nd += 1
+                    continue
                 s = max(0, q0 - o)
                 if n > 0 and e >= tmp[n - 1, 0]:
                     tmp[n - 1, 0] = min(tmp[n - 1, 0], s)
@@ -144,7 +208,7 @@ def vs_index(vertical, slash, q_start, length):
                     n += 1
             for i in range(n):  # ascending
                 rg[h, b, i, 0], rg[h, b, i, 1] = tmp[n - 1 - i, 0], tmp[n - 1 - i, 1]
-            rn[h, b] = n
+            rn[h, b], dn[h, b] = n, nd
             # columns before q1 that no range covers (both lists ascending: one merge pass)
             r, m = 0, 0
             for i in range(kv_n):
@@ -159,7 +223,7 @@ def vs_index(vertical, slash, q_start, length):
                     cl[h, b, m] = c
                     m += 1
             cn[h, b] = m
-    return rg, rn, cl, cn
+    return rg, rn, cl, cn, dg, dn
 
 
 @njit(cache=True)
@@ -240,6 +304,44 @@ def index_positions(index: PrefillIndex, h: int) -> tuple[np.ndarray, np.ndarray
     out = np.zeros((nqb, max(1, int(cnt.max(initial=0)))), np.int64)
     _positions(*args, out, cnt)
     return out, cnt
+
+
+def index_diags(index: PrefillIndex, h: int) -> tuple[np.ndarray, np.ndarray]:
+    """Head h's lone diagonal offsets per query block: (offsets [nqb, D] int64, zero-padded;
+    counts [nqb])."""
+    cnt = index.d_cnt[h].astype(np.int64)
+    out = np.zeros((cnt.size, max(1, int(cnt.max(initial=0)))), np.int64)
+    for b in range(cnt.size):
+        out[b, : cnt[b]] = index.diags[index.d_off[h, b]: index.d_off[h, b] + cnt[b]]
+    return out, cnt
+
+
+def _entries(off: np.ndarray, cnt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat (h, b) and array position of every entry that offsets/counts [Hq, nqb] list."""
+    cnt = cnt.ravel().astype(np.int64)
+    blk = np.repeat(np.arange(cnt.size), cnt)
+    first = np.cumsum(cnt) - cnt
+    return blk, off.ravel()[blk] + np.arange(blk.size) - first[blk]
+
+
+def index_pairs(index: PrefillIndex, q_start: int, length: int) -> tuple[int, int, int]:
+    """(query, key) pairs `sparse_attend` computes for this index: (tiled, lone, dense). Tiled:
+    each block's rows times its range and column keys up to the block's last query (a key
+    masked inside a chunk of keys costs as much as a visible one); lone: the block's rows times
+    its lone diagonals; dense: the pairs of causal dense attention, for the same queries."""
+    hq, nqb = index.r_cnt.shape
+    rows = np.minimum(QB, length - np.arange(nqb) * QB)  # [nqb]
+    qlast = np.tile(q_start + np.arange(nqb) * QB + rows - 1, hq)  # [Hq * nqb]
+    blk, at = _entries(index.r_off, index.r_cnt)
+    rg = index.ranges.reshape(-1, 2)[at].astype(np.int64)
+    span = np.clip(np.minimum(rg[:, 1], qlast[blk] + 1) - rg[:, 0], 0, None)
+    keys = np.bincount(blk, span, hq * nqb).astype(np.int64)
+    blk, at = _entries(index.c_off, index.c_cnt)
+    keys += np.bincount(blk[index.cols[at] <= qlast[blk]], minlength=hq * nqb)
+    tiled = int((keys.reshape(hq, nqb) * rows).sum())
+    lone = int((index.d_cnt.astype(np.int64) * rows).sum())
+    dense = hq * (length * q_start + length * (length + 1) // 2)
+    return tiled, lone, dense
 
 
 # --- KV rows ------------------------------------------------------------------------------------
@@ -333,16 +435,22 @@ def _pv(s, nq, n, vv, acc):
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _softmax_step(s, nq, n, pos, qpos0, m, den, acc):
-    """Mask (key after query, or padding), then the online-softmax update of rows i < nq:
-    s becomes probabilities (log2 units), acc/den rescaled."""
-    need_mask = n < KC or pos[n - 1] > qpos0
+def _mask(s, nq, n, pos, qpos0):
+    """s[i, t] = -inf where key t is padding (t >= n) or after query row i."""
+    if n == KC and pos[n - 1] <= qpos0:
+        return
     for i in range(nq):
-        if need_mask:
-            qp = qpos0 + i
-            for t in range(KC):
-                if t >= n or pos[t] > qp:
-                    s[i, t] = NEG_INF
+        qp = qpos0 + i
+        for t in range(KC):
+            if t >= n or pos[t] > qp:
+                s[i, t] = NEG_INF
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _softmax_step(s, nq, m, den, acc):
+    """The online-softmax update of rows i < nq by the scores s [R, KC] (log2 units, -inf =
+    masked): s becomes probabilities, acc and den rescaled."""
+    for i in range(nq):
         mv = vload(s, i, 0)
         for t in range(W, KC, W):
             mv = vmax(mv, vload(s, i, t))
@@ -371,77 +479,285 @@ def _chunk(qt, nq, qpos0, k_base, v_base, k_tail, v_tail, nb_base, j, pos, n, kt
     """One chunk of n keys at positions pos[:n] into the block's softmax state."""
     _load_kt(k_base, k_tail, nb_base, j, pos, n, kt)
     _qk(qt, nq, kt, s, 0)
-    _softmax_step(s, nq, n, pos, qpos0, m, den, acc)
+    _mask(s, nq, n, pos, qpos0)
+    _softmax_step(s, nq, m, den, acc)
     _load_v(v_base, v_tail, nb_base, j, pos, n, vv)
     _pv(s, nq, n, vv, acc)
 
 
+@njit(inline="always", cache=True)
+def _lone(qpos, diags, t, t1, seen):
+    """(key of lone diagonal t for the query at qpos, 0 where there is none; whether the pair
+    counts: not padding (t >= t1), not before the first token, not read through a range or
+    column)."""
+    if t >= t1:
+        return 0, False
+    key = qpos - diags[t]
+    if key < 0:
+        return 0, False
+    return key, seen[key] == 0
+
+
+@njit(inline="always", cache=True)
+def _key_addr(key, split, rb, base, tail):
+    """Address of the K (or V) row of token `key` of one KV head: its rows lie contiguous in
+    the base (the first at `base`, tokens below `split`) and in the tail (token `split` at
+    `tail`), rb bytes each."""
+    if key < split:
+        return base + key * rb
+    return tail + (key - split) * rb
+
+
 @njit(cache=True, fastmath=FASTMATH)
-def _task(q, h, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix, scale2, out):
-    """Query block b of head h over its index entry; writes out[h, rows of b]."""
-    r_off, r_cnt, ranges, c_off, c_cnt, cols = ix
+def _lone_qk(qp, nq, qpos0, tag, kb, kt, rb, split, diags, t0, t1, t_end, seen, sl, c0):
+    """Scores of lone diagonals t0, t0 + 4, .. (four from each; diagonals from t_end on are
+    padding) below t1: sl[i, c0 + t - t0] = row i of qp [R, P] (packed) . its key on diagonal
+    t, -inf where the pair is void. K rows at kb / kt (`_key_addr`), tag's storage type; a
+    row's four keys lie on four streams of consecutive rows."""
+    d = kv_dim(tag)
+    ng = qp.shape[1] // (2 * W)
+    for t in range(t0, t1, 4):
+        c = c0 + t - t0
+        for i in range(nq):
+            qpos = qpos0 + i
+            y0, ok0 = _lone(qpos, diags, t, t_end, seen)
+            y1, ok1 = _lone(qpos, diags, t + 1, t_end, seen)
+            y2, ok2 = _lone(qpos, diags, t + 2, t_end, seen)
+            y3, ok3 = _lone(qpos, diags, t + 3, t_end, seen)
+            k0, k1 = _key_addr(y0, split, rb, kb, kt), _key_addr(y1, split, rb, kb, kt)
+            k2, k3 = _key_addr(y2, split, rb, kb, kt), _key_addr(y3, split, rb, kb, kt)
+            a0 = a1 = a2 = a3 = vzero()
+            for gi in range(ng):
+                qe, qo = vload(qp, i, gi * 2 * W), vload(qp, i, gi * 2 * W + W)
+                e, o = vload2(tag, k0, d, gi)
+                a0 = vfma(qe, e, vfma(qo, o, a0))
+                e, o = vload2(tag, k1, d, gi)
+                a1 = vfma(qe, e, vfma(qo, o, a1))
+                e, o = vload2(tag, k2, d, gi)
+                a2 = vfma(qe, e, vfma(qo, o, a2))
+                e, o = vload2(tag, k3, d, gi)
+                a3 = vfma(qe, e, vfma(qo, o, a3))
+            vsum4(sl, i, c, a0, a1, a2, a3)
+            if not ok0:
+                sl[i, c] = NEG_INF
+            if not ok1:
+                sl[i, c + 1] = NEG_INF
+            if not ok2:
+                sl[i, c + 2] = NEG_INF
+            if not ok3:
+                sl[i, c + 3] = NEG_INF
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _lone_pv(sl, nq, qpos0, tag, vb, vt, rb, split, diags, t0, t1, t_end, seen, accp, c0):
+    """accp[i] += sl[i, c0 + t - t0] * V row of row i's key on diagonal t, for the diagonals
+    of `_lone_qk` (sl now probabilities, 0 where the pair is void)."""
+    d = kv_dim(tag)
+    ng = accp.shape[1] // (2 * W)
+    for t in range(t0, t1, 4):
+        c = c0 + t - t0
+        for i in range(nq):
+            if sl[i, c] == 0 and sl[i, c + 1] == 0 and sl[i, c + 2] == 0 and sl[i, c + 3] == 0:
+                continue
+            qpos = qpos0 + i
+            p0, p1, p2, p3 = vsplat4(sl, i, c)
+            v0 = _key_addr(_lone(qpos, diags, t, t_end, seen)[0], split, rb, vb, vt)
+            v1 = _key_addr(_lone(qpos, diags, t + 1, t_end, seen)[0], split, rb, vb, vt)
+            v2 = _key_addr(_lone(qpos, diags, t + 2, t_end, seen)[0], split, rb, vb, vt)
+            v3 = _key_addr(_lone(qpos, diags, t + 3, t_end, seen)[0], split, rb, vb, vt)
+            for gi in range(ng):
+                cc = gi * 2 * W
+                e0, o0 = vload2(tag, v0, d, gi)
+                e1, o1 = vload2(tag, v1, d, gi)
+                e2, o2 = vload2(tag, v2, d, gi)
+                e3, o3 = vload2(tag, v3, d, gi)
+                x = vfma(p2, e2, vfma(p3, e3, vload(accp, i, cc)))
+                vstore(accp, i, cc, vfma(p0, e0, vfma(p1, e1, x)))
+                x = vfma(p2, o2, vfma(p3, o3, vload(accp, i, cc + W)))
+                vstore(accp, i, cc + W, vfma(p0, o0, vfma(p1, o1, x)))
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _lone_pass(pv, qp, sl, accp, nq, qpos0, tag, ka, va, rb, split, diags, starts, ends, seen):
+    """Scores (pv False) or p @ V (pv True) of the lone diagonals of a KV head's query heads
+    (head hh: diags[starts[hh]:ends[hh]], ascending), an offset span of SPAN at a time, the
+    heads in turn within a span: their keys then lie within SPAN + QB rows, which the first
+    head brings into the cache for the others."""
+    ptr = starts.copy()
+    hi = SPAN
+    left = True
+    while left:
+        left = False
+        for hh in range(starts.shape[0]):
+            t, e = ptr[hh], ends[hh]
+            t1 = t
+            while t1 < e and diags[t1] < hi:
+                t1 += 4
+            if t1 > t:
+                if pv:
+                    _lone_pv(sl[hh], nq, qpos0, tag, va[0], va[1], rb, split, diags, t, t1, e,
+                             seen[hh], accp[hh], t - starts[hh])
+                else:
+                    _lone_qk(qp[hh], nq, qpos0, tag, ka[0], ka[1], rb, split, diags, t, t1, e,
+                             seen[hh], sl[hh], t - starts[hh])
+                ptr[hh] = min(t1, e)
+            left = left or ptr[hh] < e
+        hi += SPAN
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _lone_merge(sl, nq, m, den, acc):
+    """Fold a head's lone scores sl [R, n] (log2 units, -inf void, n % W == 0) into its softmax
+    state over the ranges and columns: sl becomes probabilities, acc and den are rescaled."""
+    for i in range(nq):
+        mv = vload(sl, i, 0)
+        for t in range(W, sl.shape[1], W):
+            mv = vmax(mv, vload(sl, i, t))
+        mn = max(m[i], vhmax(mv))
+        if mn == NEG_INF:
+            for t in range(sl.shape[1]):
+                sl[i, t] = F32(0.0)
+            continue
+        alpha = np.exp2(m[i] - mn) if m[i] != NEG_INF else F32(0.0)
+        mvec = vsplat(mn)
+        tot = vzero()
+        for t in range(0, sl.shape[1], W):
+            p = vexp2_neg(vsub(vload(sl, i, t), mvec))
+            vstore(sl, i, t, p)
+            tot = vadd(tot, p)
+        den[i] = den[i] * alpha + vhsum(tot)
+        m[i] = mn
+        if alpha != F32(1.0):
+            for c in range(acc.shape[1]):
+                acc[i, c] *= alpha
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _task(q, j, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix, perm, scale2, out):
+    """Query block b of the g query heads of KV head j over their index entries; writes
+    out[h, rows of b]. Each head's ranges and columns, then their lone diagonals together."""
+    r_off, r_cnt, ranges, c_off, c_cnt, cols, d_off, d_cnt, diags = ix
     length, d = q.shape[1], q.shape[2]
     dp = -(-d // (2 * W)) * 2 * W
     i0 = b * QB
     nq = min(QB, length - i0)
     rows = -(-nq // 4) * 4
     qt = np.zeros((rows, d), F32)
-    for i in range(nq):
-        for c in range(d):
-            qt[i, c] = q[h, i0 + i, c] * scale2
     kt = np.zeros((d, KC), F32)
     vv = np.zeros((KC, dp), F32)
     s = np.zeros((rows, KC), F32)
-    acc = np.zeros((rows, dp), F32)
-    m = np.full(rows, NEG_INF)
-    den = np.zeros(rows, F32)
+    acc = np.zeros((g, rows, dp), F32)
+    m = np.full((g, rows), NEG_INF)
+    den = np.zeros((g, rows), F32)
     pos = np.zeros(KC, np.int64)
-    j = h // g
     qpos0 = q_start + i0
     qlast = qpos0 + nq - 1
-    for ri in range(r_off[h, b], r_off[h, b] + r_cnt[h, b]):
-        st, en = ranges[ri, 0], min(ranges[ri, 1], qlast + 1)
-        for c0 in range(st, en, KC):
-            n = min(KC, en - c0)
-            for t in range(n):
-                pos[t] = c0 + t
-            _chunk(qt, nq, qpos0, k_base, v_base, k_tail, v_tail, nb_base, j, pos, n, kt, vv,
-                   s, m, den, acc)
-    c1 = c_off[h, b] + c_cnt[h, b]
-    for c0 in range(c_off[h, b], c1, KC):
-        n = 0
-        for t in range(c0, min(c1, c0 + KC)):
+    for hh in range(g):
+        h = j * g + hh
+        for i in range(nq):
+            for c in range(d):
+                qt[i, c] = q[h, i0 + i, c] * scale2
+        acc_h, m_h, den_h = acc[hh], m[hh], den[hh]
+        for ri in range(r_off[h, b], r_off[h, b] + r_cnt[h, b]):
+            st, en = ranges[ri, 0], min(ranges[ri, 1], qlast + 1)
+            for c0 in range(st, en, KC):
+                n = min(KC, en - c0)
+                for t in range(n):
+                    pos[t] = c0 + t
+                _chunk(qt, nq, qpos0, k_base, v_base, k_tail, v_tail, nb_base, j, pos, n, kt,
+                       vv, s, m_h, den_h, acc_h)
+        c1 = c_off[h, b] + c_cnt[h, b]
+        for c0 in range(c_off[h, b], c1, KC):
+            n = 0
+            for t in range(c0, min(c1, c0 + KC)):
+                if cols[t] <= qlast:
+                    pos[n] = cols[t]
+                    n += 1
+            if n > 0:
+                _chunk(qt, nq, qpos0, k_base, v_base, k_tail, v_tail, nb_base, j, pos, n, kt,
+                       vv, s, m_h, den_h, acc_h)
+    nd_max = 0
+    for hh in range(g):
+        nd_max = max(nd_max, d_cnt[j * g + hh, b])
+    if nd_max > 0:
+        _lone_task(q, j, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix, perm,
+                   scale2, nd_max, nq, acc, m, den)
+    for hh in range(g):
+        for i in range(nq):
+            inv = F32(1.0) / den[hh, i] if den[hh, i] > 0 else F32(0.0)
+            for c in range(d):
+                out[j * g + hh, i0 + i, c] = acc[hh, i, c] * inv
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _lone_task(q, j, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix, perm, scale2,
+               nd_max, nq, acc, m, den):
+    """The lone diagonals of block b of KV head j's query heads into their softmax states
+    (acc [g, R, dp], m, den [g, R], over the ranges and columns so far)."""
+    r_off, r_cnt, ranges, c_off, c_cnt, cols, d_off, d_cnt, diags = ix
+    rows, npk = acc.shape[1], perm.shape[0]
+    i0 = b * QB
+    qpos0 = q_start + i0
+    qlast = qpos0 + nq - 1
+    wp = -(-nd_max // W) * W
+    sl = np.empty((g, rows, wp), F32)  # [g, R, diagonals] scores, then probabilities
+    qp = np.zeros((g, rows, npk), F32)  # packed scaled queries
+    accp = np.zeros((g, rows, npk), F32)  # packed p @ V
+    seen = np.zeros((g, qlast + 1), np.uint8)  # the keys each head's ranges and columns hold
+    starts = np.empty(g, np.int64)
+    ends = np.empty(g, np.int64)
+    for hh in range(g):
+        h = j * g + hh
+        starts[hh], ends[hh] = d_off[h, b], d_off[h, b] + d_cnt[h, b]
+        for ri in range(r_off[h, b], r_off[h, b] + r_cnt[h, b]):
+            for t in range(ranges[ri, 0], min(ranges[ri, 1], qlast + 1)):
+                seen[hh, t] = 1
+        for t in range(c_off[h, b], c_off[h, b] + c_cnt[h, b]):
             if cols[t] <= qlast:
-                pos[n] = cols[t]
-                n += 1
-        if n > 0:
-            _chunk(qt, nq, qpos0, k_base, v_base, k_tail, v_tail, nb_base, j, pos, n, kt, vv,
-                   s, m, den, acc)
-    for i in range(nq):
-        inv = F32(1.0) / den[i] if den[i] > 0 else F32(0.0)
-        for c in range(d):
-            out[h, i0 + i, c] = acc[i, c] * inv
+                seen[hh, cols[t]] = 1
+        for i in range(nq):
+            for p in range(npk):
+                if perm[p] >= 0:
+                    qp[hh, i, p] = q[h, i0 + i, perm[p]] * scale2
+            for t in range(-(-d_cnt[h, b] // 4) * 4, wp):
+                sl[hh, i, t] = NEG_INF
+    split, rb = nb_base * k_tail.shape[2], k_tail.shape[3] * k_tail.itemsize
+    ka = (row_addr(k_base, j, 0, 0), row_addr(k_tail, j, 0, 0))
+    va = (row_addr(v_base, j, 0, 0), row_addr(v_tail, j, 0, 0))
+    _lone_pass(False, qp, sl, accp, nq, qpos0, k_tail, ka, va, rb, split, diags, starts, ends,
+               seen)
+    for hh in range(g):
+        if ends[hh] > starts[hh]:
+            _lone_merge(sl[hh], nq, m[hh], den[hh], acc[hh])
+    _lone_pass(True, qp, sl, accp, nq, qpos0, k_tail, ka, va, rb, split, diags, starts, ends,
+               seen)
+    for hh in range(g):
+        for i in range(nq):
+            for p in range(npk):
+                if perm[p] >= 0:
+                    acc[hh, i, perm[p]] += accp[hh, i, p]
 
 
 @njit(cache=True)
-def _task_kind(q, h, b, q_start, k_base, v_base, k_tail, v_tail, kind, nb_base, g, ix, scale2,
-               out):
+def _task_kind(q, j, b, q_start, k_base, v_base, k_tail, v_tail, kind, nb_base, g, ix, perm,
+               scale2, out):
     """`_task` over K/V bytes viewed back as the storage dtype of `kind`."""
+    args = (nb_base, g, ix, perm, scale2, out)
     if kind == 1:
-        _task(q, h, b, q_start, k_base.view(np.uint16), v_base.view(np.uint16),
-              k_tail.view(np.uint16), v_tail.view(np.uint16), nb_base, g, ix, scale2, out)
+        _task(q, j, b, q_start, k_base.view(np.uint16), v_base.view(np.uint16),
+              k_tail.view(np.uint16), v_tail.view(np.uint16), *args)
     elif kind == 2:
-        _task(q, h, b, q_start, k_base.view(np.int16), v_base.view(np.int16),
-              k_tail.view(np.int16), v_tail.view(np.int16), nb_base, g, ix, scale2, out)
+        _task(q, j, b, q_start, k_base.view(np.int16), v_base.view(np.int16),
+              k_tail.view(np.int16), v_tail.view(np.int16), *args)
     elif kind == 3:
-        _task(q, h, b, q_start, k_base.view(np.int32), v_base.view(np.int32),
-              k_tail.view(np.int32), v_tail.view(np.int32), nb_base, g, ix, scale2, out)
+        _task(q, j, b, q_start, k_base.view(np.int32), v_base.view(np.int32),
+              k_tail.view(np.int32), v_tail.view(np.int32), *args)
     elif kind == 4:
-        _task(q, h, b, q_start, k_base.view(np.uint32), v_base.view(np.uint32),
-              k_tail.view(np.uint32), v_tail.view(np.uint32), nb_base, g, ix, scale2, out)
+        _task(q, j, b, q_start, k_base.view(np.uint32), v_base.view(np.uint32),
+              k_tail.view(np.uint32), v_tail.view(np.uint32), *args)
     else:
-        _task(q, h, b, q_start, k_base.view(F32), v_base.view(F32), k_tail.view(F32),
-              v_tail.view(F32), nb_base, g, ix, scale2, out)
+        _task(q, j, b, q_start, k_base.view(F32), v_base.view(F32), k_tail.view(F32),
+              v_tail.view(F32), *args)
 
 
 @njit(cache=True)
@@ -450,15 +766,15 @@ def _empty_out(shape0, shape1, shape2):
 
 
 @njit(parallel=True, cache=True)
-def _sparse_attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, q_start, ix, scale2):
+def _sparse_attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, q_start, ix, perm, scale2):
     hq, length = q.shape[0], q.shape[1]
     g = hq // k_tail.shape[0]
     nqb = (length + QB - 1) // QB
     out = _empty_out(hq, length, q.shape[2])
-    for t in prange(hq * nqb):
-        h, b = t // nqb, nqb - 1 - t % nqb  # the later (longer) blocks first
-        _task_kind(q, h, b, q_start, k_base, v_base, k_tail, v_tail, kind, nb_base, g, ix,
-                   scale2, out)
+    for t in prange(k_tail.shape[0] * nqb):
+        j, b = t // nqb, nqb - 1 - t % nqb  # the later (longer) blocks first
+        _task_kind(q, j, b, q_start, k_base, v_base, k_tail, v_tail, kind, nb_base, g, ix,
+                   perm, scale2, out)
     return out
 
 
@@ -475,75 +791,101 @@ def sparse_attend(kv: LayerKV, q: np.ndarray, q_start: int, index: PrefillIndex,
     n_tokens = q_start + q.shape[1]
     if n_tokens > (kv.nb_base + kv.k_tail.shape[1]) * kv.bs:
         raise ValueError("the store does not hold the chunk's tokens")
-    for a in (index.ranges.ravel(), index.cols):
+    for a in (index.ranges.ravel(), index.cols, index.diags):
         if a.size and (a.min() < 0 or a.max() > n_tokens):
             raise ValueError("index position out of range")
     use_threads()
     ix = (index.r_off, index.r_cnt, np.ascontiguousarray(index.ranges, np.int32), index.c_off,
-          index.c_cnt, np.ascontiguousarray(index.cols, np.int32))
+          index.c_cnt, np.ascontiguousarray(index.cols, np.int32), index.d_off, index.d_cnt,
+          np.ascontiguousarray(index.diags, np.int32))
     return _sparse_attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, kv.nb_base,
-                          q_start, ix, F32(scale * LOG2E))
+                          q_start, ix, kv.perm, F32(scale * LOG2E))
 
 
 # --- estimators ---------------------------------------------------------------------------------
 @njit(cache=True, fastmath=FASTMATH)
-def _vs_head(qw, hi, j, k_base, k_tail, nb_base, n_tokens, scale2, vert, slash):
+def _vs_head(qw, hi, j, k_base, k_tail, nb_base, n_tokens, scale2, perm, vert, slash):
     """Softmax of the last queries qw[hi] [Wq, d] (positions n_tokens - Wq + w) over every key,
-    summed into vert[hi, key] and slash[hi, query - key]."""
-    wq, d = qw.shape[1], qw.shape[2]
+    summed into vert[hi, key] and slash[hi, query - key].
+
+    One pass over the keys, CH at a time: scores by the decode kernel's register tiles (4
+    queries x 4 keys, packed channels, K rows read in place), then at once their powers of 2
+    against the row's running maximum (kept per chunk) and the running sum. A second pass
+    scales each chunk by its maximum's distance to the final one and adds it up, chunk by chunk
+    (vert's and slash's slices stay in the cache)."""
+    wq = qw.shape[1]
+    d = kv_dim(k_tail)
     rows = -(-wq // 4) * 4
-    qt = np.zeros((rows, d), F32)
+    qp = np.zeros((rows, perm.shape[0]), F32)  # packed
     for w in range(wq):
-        for c in range(d):
-            qt[w, c] = qw[hi, w, c] * scale2
-    ncol = -(-n_tokens // KC) * KC
-    s = np.zeros((rows, ncol), F32)  # [rows, n_tokens padded] scores, then probabilities
-    kt = np.zeros((d, KC), F32)
-    pos = np.zeros(KC, np.int64)
-    for c0 in range(0, n_tokens, KC):
-        n = min(KC, n_tokens - c0)
-        for t in range(n):
-            pos[t] = c0 + t
-        _load_kt(k_base, k_tail, nb_base, j, pos, n, kt)
-        _qk(qt, wq, kt, s, c0)
-    for w in range(wq):  # vert/slash padded: [H, ncol], [H, ncol + wq]; slash reversed
-        qp = n_tokens - wq + w
-        for t in range(qp + 1, ncol):
-            s[w, t] = NEG_INF
-        mv = vload(s, w, 0)
-        for t in range(W, ncol, W):
-            mv = vmax(mv, vload(s, w, t))
-        mx = vsplat(vhmax(mv))
-        tot = vzero()
-        for t in range(0, ncol, W):
-            p = vexp2_neg(vsub(vload(s, w, t), mx))
-            vstore(s, w, t, p)
-            tot = vadd(tot, p)
-        inv = vsplat(F32(1.0) / vhsum(tot))
-        shift = wq - 1 - w  # key t has offset qp - t, stored at (n_tokens - 1) - offset
-        for t in range(0, ncol, W):
-            p = vmul(vload(s, w, t), inv)
-            vstore(vert, hi, t, vadd(vload(vert, hi, t), p))
-            vstore(slash, hi, t + shift, vadd(vload(slash, hi, t + shift), p))
+        for p in range(perm.shape[0]):
+            if perm[p] >= 0:
+                qp[w, p] = qw[hi, w, perm[p]] * scale2
+    ncol = -(-n_tokens // CH) * CH
+    ex = np.empty((wq, ncol), F32)  # 2 ** (score - the row's running max at the chunk)
+    mc = np.empty((wq, ncol // CH), F32)  # that max, per row and chunk
+    m = np.full(wq, NEG_INF)
+    z = np.zeros(wq, F32)
+    s = np.zeros((rows, CH), F32)
+    split, rb = nb_base * k_tail.shape[2], k_tail.shape[3] * k_tail.itemsize
+    kb, kt = row_addr(k_base, j, 0, 0), row_addr(k_tail, j, 0, 0)
+    ra = np.empty((2, CH), np.intp)  # K row addresses: this chunk, the next
+    for t in range(min(CH, n_tokens)):
+        ra[0, t] = _key_addr(t, split, rb, kb, kt)
+    cur = 0
+    for c0 in range(0, ncol, CH):
+        n_next = max(0, min(CH, n_tokens - c0 - CH))
+        for t in range(n_next):
+            ra[1 - cur, t] = _key_addr(c0 + CH + t, split, rb, kb, kt)
+        qk_tiles(qp, k_tail, ra[cur], min(CH, n_tokens - c0), d, s, ra[1 - cur], n_next)
+        cur = 1 - cur
+        for w in range(wq):
+            qpos = n_tokens - wq + w
+            for t in range(max(0, qpos + 1 - c0), CH):  # keys after the query, padding
+                s[w, t] = NEG_INF
+            mv = vload(s, w, 0)
+            for t in range(W, CH, W):
+                mv = vmax(mv, vload(s, w, t))
+            mn = max(m[w], vhmax(mv))
+            mc[w, c0 // CH] = mn
+            if mn == NEG_INF:
+                for t in range(CH):
+                    ex[w, c0 + t] = F32(0.0)
+                continue
+            mvec = vsplat(mn)
+            tot = vzero()
+            for t in range(0, CH, W):
+                p = vexp2_neg(vsub(vload(s, w, t), mvec))
+                vstore(ex, w, c0 + t, p)
+                tot = vadd(tot, p)
+            z[w] = z[w] * exp2_neg(m[w] - mn) + vhsum(tot)
+            m[w] = mn
+    for c0 in range(0, ncol, CH):  # vert/slash padded: [H, ncol], [H, ncol + wq]; slash reversed
+        for w in range(wq):
+            f = exp2_neg(mc[w, c0 // CH] - m[w]) / z[w]
+            if f == 0:
+                continue
+            fv = vsplat(f)
+            shift = wq - 1 - w  # key t has offset qpos - t, stored at (n_tokens - 1) - offset
+            for t in range(c0, c0 + CH, W):
+                p = vmul(vload(ex, w, t), fv)
+                vstore(vert, hi, t, vadd(vload(vert, hi, t), p))
+                vstore(slash, hi, t + shift, vadd(vload(slash, hi, t + shift), p))
 
 
 @njit(cache=True)
-def _vs_head_kind(qw, hi, j, k_base, k_tail, kind, nb_base, n_tokens, scale2, vert, slash):
+def _vs_head_kind(qw, hi, j, k_base, k_tail, kind, nb_base, n_tokens, scale2, perm, vert, slash):
+    args = (nb_base, n_tokens, scale2, perm, vert, slash)
     if kind == 1:
-        _vs_head(qw, hi, j, k_base.view(np.uint16), k_tail.view(np.uint16), nb_base, n_tokens,
-                 scale2, vert, slash)
+        _vs_head(qw, hi, j, k_base.view(np.uint16), k_tail.view(np.uint16), *args)
     elif kind == 2:
-        _vs_head(qw, hi, j, k_base.view(np.int16), k_tail.view(np.int16), nb_base, n_tokens,
-                 scale2, vert, slash)
+        _vs_head(qw, hi, j, k_base.view(np.int16), k_tail.view(np.int16), *args)
     elif kind == 3:
-        _vs_head(qw, hi, j, k_base.view(np.int32), k_tail.view(np.int32), nb_base, n_tokens,
-                 scale2, vert, slash)
+        _vs_head(qw, hi, j, k_base.view(np.int32), k_tail.view(np.int32), *args)
     elif kind == 4:
-        _vs_head(qw, hi, j, k_base.view(np.uint32), k_tail.view(np.uint32), nb_base, n_tokens,
-                 scale2, vert, slash)
+        _vs_head(qw, hi, j, k_base.view(np.uint32), k_tail.view(np.uint32), *args)
     else:
-        _vs_head(qw, hi, j, k_base.view(F32), k_tail.view(F32), nb_base, n_tokens, scale2, vert,
-                 slash)
+        _vs_head(qw, hi, j, k_base.view(F32), k_tail.view(F32), *args)
 
 
 @njit(cache=True)
@@ -552,13 +894,13 @@ def _zeros2(a, b):
 
 
 @njit(parallel=True, cache=True)
-def _vs_estimate(qw, kv_heads, k_base, k_tail, kind, nb_base, n_tokens, scale2):
-    ncol = -(-n_tokens // KC) * KC
+def _vs_estimate(qw, kv_heads, k_base, k_tail, kind, nb_base, n_tokens, scale2, perm):
+    ncol = -(-n_tokens // CH) * CH
     vert = _zeros2(qw.shape[0], ncol)
     slash = _zeros2(qw.shape[0], ncol + qw.shape[1])  # reversed: offset o at n_tokens - 1 - o
     for hi in prange(qw.shape[0]):
         _vs_head_kind(qw, hi, kv_heads[hi], k_base, k_tail, kind, nb_base, n_tokens, scale2,
-                      vert, slash)
+                      perm, vert, slash)
     return vert, slash
 
 
@@ -570,7 +912,7 @@ def vs_estimate(kv: LayerKV, qw: np.ndarray, kv_heads: np.ndarray, n_tokens: int
     qw = np.ascontiguousarray(qw, F32)
     use_threads()
     vert, rev = _vs_estimate(qw, np.ascontiguousarray(kv_heads, np.int64), kv.k_base, kv.k_tail,
-                             kv.kv_kind, kv.nb_base, n_tokens, F32(scale * LOG2E))
+                             kv.kv_kind, kv.nb_base, n_tokens, F32(scale * LOG2E), kv.perm)
     return vert[:, :n_tokens], rev[:, n_tokens - 1:: -1] if n_tokens else rev[:, :0]
 
 
@@ -618,9 +960,8 @@ def sparse_attend_ref(q, k_base, v_base, k_tail, v_tail, nb_base, kv_kind, q_sta
     out = np.zeros((hq, length, d))
     for h in range(hq):
         for b in range(n_qblocks(length)):
-            keys = index.keys(h, b)
             for i in range(b * QB, min(length, (b + 1) * QB)):
-                vis = keys[keys <= q_start + i]
+                vis = index.row_keys(h, b, q_start + i)
                 if vis.size == 0:
                     continue
                 sc = scale * (k[h // g, vis] @ q[h, i].astype(np.float64))
@@ -636,13 +977,21 @@ def dense_index(n_heads: int, q_start: int, length: int) -> PrefillIndex:
 
 
 def vs_index_ref(vertical, slash, q_start, length, h, b):
-    """Key set of block b of head h under `vs_index`: each offset's range, the columns."""
+    """Key set of block b of head h under `vs_index` with every offset a range (lone_cost 0):
+    each offset's range, the columns."""
     q0 = q_start + b * QB
     q1 = min(q_start + length, q0 + QB)
     keys = set()
     for o in slash[h]:
         keys.update(range(max(0, q0 - o), max(0, q1 - o)))
     keys.update(int(c) for c in vertical[h] if c < q1)
+    return np.array(sorted(keys), np.int64)
+
+
+def vs_row_ref(vertical, slash, h, pos):
+    """The keys Vertical-Slash itself gives the query at `pos`: its columns and diagonals that
+    exist up to it. An index holds them, and with ranges some more."""
+    keys = {int(c) for c in vertical[h] if c <= pos} | {pos - int(o) for o in slash[h] if o <= pos}
     return np.array(sorted(keys), np.int64)
 
 

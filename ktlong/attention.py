@@ -132,6 +132,7 @@ class AttentionRouter:
             return torch.from_numpy(ca.attend(layer, kv, qn, start, scale)).to(q.device)
         n = start + q.shape[1]
         index = build_index(ca.plan.layers[layer], kv, qn, start, scale, ca._pooled(layer, kv, n))
+        ca.count(index, start, q.shape[1])
         dk, dv = self._dev_kv
         return attend_chunk_torch(q, dk[:, :n], dv[:, :n], start, index, scale)
 

@@ -181,7 +181,7 @@ def build_index(row: tuple[HeadPattern, ...], kv: Any, q: np.ndarray, start: int
             vert, slash = ps.vs_estimate(kv, qw, hs // g, n, scale)
             cols = _topk_forced(vert, p.a, np.arange(min(FORCED_COLS, n)))
             diags = _topk_forced(slash, max(p.b, 1), np.arange(min(FORCED_DIAGS, n)))
-            parts.append(ps.vs_index(cols, diags, start, length))
+            parts.append(ps.vs_index(cols, diags, start, length, ps.LONE_COST))
         else:
             nqb = ps.n_qblocks(length)
             qp = np.zeros((len(hs), nqb * ps.QB, d), np.float32)
@@ -205,6 +205,8 @@ class ChunkAttention:
         self.pooled: dict[int, tuple[int, np.ndarray]] = {}  # layer -> (full blocks, [Hkv, nb, d])
         self.index_s = 0.0  # time spent estimating and building indexes
         self.attend_s = 0.0
+        # (query, key) pairs computed in register tiles and as lone diagonals; causal dense's
+        self.pairs = self.lone_pairs = self.dense_pairs = 0
 
     def _pooled(self, layer: int, kv: Any, n: int) -> np.ndarray | None:
         from ktlong.kernels import prefill_sparse as ps
@@ -218,6 +220,14 @@ class ChunkAttention:
         self.pooled[layer] = (nfull, out)
         return out
 
+    def count(self, index: Any, start: int, length: int) -> None:
+        from ktlong.kernels.prefill_sparse import index_pairs
+
+        tiled, lone, dense = index_pairs(index, start, length)
+        self.pairs += tiled
+        self.lone_pairs += lone
+        self.dense_pairs += dense
+
     def attend(self, layer: int, kv: Any, q: np.ndarray, start: int, scale: float) -> np.ndarray:
         """q [Hq, L, d] float32 -> [Hq, L, d] float32 (the CPU kernels)."""
         import time
@@ -228,6 +238,7 @@ class ChunkAttention:
         index = build_index(self.plan.layers[layer], kv, q, start, scale,
                             self._pooled(layer, kv, start + q.shape[1]))
         t1 = time.perf_counter()
+        self.count(index, start, q.shape[1])
         out = ps.sparse_attend(kv, q, start, index, scale)
         self.index_s += t1 - t0
         self.attend_s += time.perf_counter() - t1
@@ -238,33 +249,55 @@ def attend_chunk_torch(q: Any, k: Any, v: Any, start: int, index: Any, scale: fl
                        max_elems: int = 1 << 26) -> Any:
     """The index's attention in plain torch (the CUDA path): q [Hq, L, d], k, v [Hkv, n, d]
     on one device -> [Hq, L, d] float32. Per head, query blocks are batched: each block's keys
-    gathered into rows padded to the longest, masked (padding, causal), softmax, times V."""
+    gathered into rows padded to the longest, and each row's lone-diagonal keys beside them;
+    masked (padding, causal, a diagonal key the block already holds), softmax, times V."""
     import torch
 
     from ktlong.kernels import prefill_sparse as ps
 
     hq, length, d = q.shape
-    g = hq // k.shape[0]
+    g, n = hq // k.shape[0], k.shape[1]
     nqb, QB = ps.n_qblocks(length), ps.QB
-    out = torch.empty((hq, length, d), dtype=torch.float32, device=q.device)
-    qpad = torch.zeros((hq, nqb * QB, d), dtype=torch.float32, device=q.device)
+    dev = q.device
+    out = torch.empty((hq, length, d), dtype=torch.float32, device=dev)
+    qpad = torch.zeros((hq, nqb * QB, d), dtype=torch.float32, device=dev)
     qpad[:, :length] = q.float() * scale
-    qpos = start + torch.arange(nqb * QB, device=q.device).view(nqb, QB)  # [nqb, QB]
+    qpos = start + torch.arange(nqb * QB, device=dev).view(nqb, QB)  # [nqb, QB]
     for h in range(hq):
         pos, cnt = ps.index_positions(index, h)  # [nqb, P] int64 (padded), [nqb]
-        pos_t = torch.from_numpy(pos).to(q.device)
-        valid = torch.arange(pos.shape[1], device=q.device)[None] < torch.from_numpy(cnt).to(
-            q.device)[:, None]  # [nqb, P]
-        step = max(1, max_elems // max(1, pos.shape[1] * d))
+        dg, dcnt = ps.index_diags(index, h)  # [nqb, D] int64 (padded), [nqb]
+        lone = bool(dcnt.any())
+        pos_t = torch.from_numpy(pos).to(dev)
+        valid = torch.arange(pos.shape[1], device=dev)[None] < torch.from_numpy(cnt).to(
+            dev)[:, None]  # [nqb, P]
+        dg_t = torch.from_numpy(dg).to(dev)
+        dvalid = torch.arange(dg.shape[1], device=dev)[None] < torch.from_numpy(dcnt).to(
+            dev)[:, None]  # [nqb, D]
+        per_block = pos.shape[1] + (QB * dg.shape[1] + n if lone else 0)
+        step = max(1, max_elems // max(1, per_block * d))
         kh, vh = k[h // g].float(), v[h // g].float()
         for b0 in range(0, nqb, step):
             b1 = min(nqb, b0 + step)
+            nb = b1 - b0
+            qb = qpad[h, b0 * QB: b1 * QB].view(nb, QB, d)
             kk, vv = kh[pos_t[b0:b1]], vh[pos_t[b0:b1]]  # [nb, P, d]
-            s = torch.bmm(qpad[h, b0 * QB: b1 * QB].view(b1 - b0, QB, d), kk.transpose(1, 2))
+            s = torch.bmm(qb, kk.transpose(1, 2))
             ok = valid[b0:b1, None, :] & (pos_t[b0:b1, None, :] <= qpos[b0:b1, :, None])
             s = s.masked_fill(~ok, float("-inf"))
+            if lone:
+                key = qpos[b0:b1, :, None] - dg_t[b0:b1, None, :]  # [nb, QB, D]
+                held = torch.zeros((nb, n + 1), dtype=torch.bool, device=dev)  # block's keys
+                held.scatter_(1, torch.where(valid[b0:b1], pos_t[b0:b1], n), True)  # n: padding
+                kc = key.clamp(0, n - 1)
+                dok = dvalid[b0:b1, None, :] & (key >= 0) & (key < n) & ~held.gather(
+                    1, kc.view(nb, -1)).view(kc.shape)
+                sd = torch.einsum("bqd,bqkd->bqk", qb, kh[kc])
+                s = torch.cat([s, sd.masked_fill(~dok, float("-inf"))], -1)
             p = torch.softmax(s, -1).nan_to_num(0.0)  # a row with no visible key -> zeros
-            o = torch.bmm(p, vv).reshape(-1, d)
+            o = torch.bmm(p[..., : kk.shape[1]], vv)
+            if lone:
+                o = o + torch.einsum("bqk,bqkd->bqd", p[..., kk.shape[1]:], vh[kc])
+            o = o.reshape(-1, d)
             e = min(length, b1 * QB) - b0 * QB
             out[h, b0 * QB: b0 * QB + e] = o[:e]
     return out

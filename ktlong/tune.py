@@ -37,10 +37,19 @@ def head_recall(probs: np.ndarray, index: Any, h: int, q_start: int) -> float:
     from ktlong.kernels import prefill_sparse as ps
 
     pos, cnt = ps.index_positions(index, h)
+    dg, dcnt = ps.index_diags(index, h)
+    n = probs.shape[1]
     kept = []
     for b in range(pos.shape[0]):
         rows = probs[b * ps.QB: (b + 1) * ps.QB]
-        kept.append(rows[:, pos[b, : cnt[b]]].sum(1))  # the causal mask zeroed the future
+        held = pos[b, : cnt[b]]
+        mass = rows[:, held].sum(1)  # the causal mask zeroed the future
+        if dcnt[b]:  # lone diagonals: each row's own keys, less those the block holds
+            key = q_start + b * ps.QB + np.arange(rows.shape[0])[:, None] - dg[b, : dcnt[b]]
+            ok = key >= 0
+            ok[ok] = ~np.isin(key[ok], held)
+            mass += np.where(ok, np.take_along_axis(rows, key.clip(0, n - 1), 1), 0).sum(1)
+        kept.append(mass)
     return float(np.concatenate(kept).mean())
 
 

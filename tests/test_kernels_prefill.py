@@ -62,12 +62,22 @@ def check_index(index, hq, nqb):
                 assert not np.any((c >= s) & (c < e))
 
 
-def vs_parts(rng, hq, n_tokens, q_start, length, kv_n=12, ks_n=6):
+def vs_parts(rng, hq, n_tokens, q_start, length, kv_n=12, ks_n=6, lone_cost=0):
     vert = np.stack([np.sort(rng.choice(n_tokens, kv_n, replace=False)) for _ in range(hq)])
     slash = np.stack([np.sort(np.r_[0, rng.choice(np.arange(1, n_tokens), ks_n - 1,
                                                   replace=False)]) for _ in range(hq)])
     vert, slash = vert.astype(np.int32), slash.astype(np.int32)
-    return vert, slash, ps.vs_index(vert, slash, q_start, length)
+    return vert, slash, ps.vs_index(vert, slash, q_start, length, lone_cost)
+
+
+def lone_vs(rng, hq, n_tokens, kv_n=40, ks_n=40):
+    """Columns (some inside the band, some on the diagonals' keys) and offsets: the band 0..23
+    (a range at lone cost 4) and scattered ones (each a lone diagonal)."""
+    vert = np.stack([np.sort(rng.choice(n_tokens, kv_n, replace=False)) for _ in range(hq)])
+    far = [np.sort(rng.choice(np.arange(28, n_tokens, 8), ks_n - 24, replace=False))
+           for _ in range(hq)]
+    slash = np.stack([np.r_[np.arange(24), f] for f in far])
+    return vert.astype(np.int32), slash.astype(np.int32)
 
 
 def bs_parts(rng, hq, q_start, length, k_b):
@@ -77,7 +87,7 @@ def bs_parts(rng, hq, q_start, length, k_b):
 
 
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
-@pytest.mark.parametrize("pattern", ["ashape", "vs", "bs", "mixed"])
+@pytest.mark.parametrize("pattern", ["ashape", "vs", "vs-lone", "bs", "mixed"])
 def test_pattern_equals_dense_restricted_to_its_index(kind, pattern):
     rng, arrays, kv, q = problem(10 * kind + len(pattern), kind)
     hq, length = q.shape[0], q.shape[1]
@@ -85,11 +95,14 @@ def test_pattern_equals_dense_restricted_to_its_index(kind, pattern):
     parts = {
         "ashape": ps.ashape_index(hq, q_start, length, 16, 70),
         "vs": vs_parts(rng, hq, q_start + length, q_start, length)[2],
+        # scattered offsets and the band 0..9: lone diagonals, and a range with columns in it
+        "vs-lone": ps.vs_index(*lone_vs(rng, hq, q_start + length), q_start, length, 4),
         "bs": bs_parts(rng, hq, q_start, length, 2)[1],
     }
+    assert parts["vs-lone"][5].min() > 0  # every block has lone diagonals
     if pattern == "mixed":  # one head per pattern, as a tuned model has
         heads = [np.array([0]), np.array([1, 2]), np.array([3])]
-        chosen = [parts["ashape"], parts["vs"], parts["bs"]]
+        chosen = [parts["ashape"], parts["vs-lone"], parts["bs"]]
         chosen = [tuple(a[h] for a in p) for h, p in zip(heads, chosen, strict=True)]
         index = ps.pack_index(heads, chosen, hq, nqb)
     else:
@@ -115,10 +128,12 @@ def test_budgets_covering_everything_equal_dense(kind):
     everything = [
         ps.dense_index(hq, q_start, length),
         ps.pack_index([np.arange(hq)], [ps.ashape_index(hq, q_start, length, 64, n)], hq, nqb),
-        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols[:, :1], all_cols, q_start, length)],
-                      hq, nqb),  # every diagonal
-        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols, all_cols[:, :1], q_start, length)],
-                      hq, nqb),  # every column
+        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols[:, :1], all_cols, q_start, length,
+                                                    0)], hq, nqb),  # every diagonal, as ranges
+        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols[:, :1], all_cols, q_start, length,
+                                                    1)], hq, nqb),  # every diagonal, lone
+        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols, all_cols[:, :1], q_start, length,
+                                                    4)], hq, nqb),  # every column
         ps.pack_index([np.arange(hq)], [bs_parts(rng, hq, q_start, length, 99)[1]], hq, nqb),
     ]
     for index in everything:
@@ -139,7 +154,8 @@ def test_vs_index_hand_made():
     q_start, length = 1000, 128  # blocks [1000, 1064) and [1064, 1128)
     vert = np.array([[3, 900, 950, 1063, 1100]], np.int32)
     slash = np.array([[0, 10, 50, 100, 1000]], np.int32)
-    rg, rn, cl, cn = ps.vs_index(vert, slash, q_start, length)
+    rg, rn, cl, cn, _, dn = ps.vs_index(vert, slash, q_start, length, 0)
+    assert dn.max() == 0  # lone cost 0: every offset a range
     # block 0: offsets 0,10,50 -> [1000,1064), [990,1054), [950,1014) merge to [950, 1064);
     # 100 -> [900, 964) touches it: [900, 1064); 1000 -> [0, 64)
     assert rn[0, 0] == 2
@@ -161,12 +177,66 @@ def test_vs_index_matches_reference_random():
         n = q_start + length
         vert, slash, parts = vs_parts(rng, 3, n, q_start, length, min(n, 20), min(n, 9))
         index = ps.pack_index([np.arange(3)], [parts], 3, ps.n_qblocks(length))
+        assert index.diags.size == 0
         check_index(index, 3, ps.n_qblocks(length))
         for h in range(3):
             for b in range(ps.n_qblocks(length)):
                 want = ps.vs_index_ref(vert, slash, q_start, length, h, b)
                 got = index.keys(h, b)
                 np.testing.assert_array_equal(got, want)
+
+
+def test_lone_diagonals_hand_made():
+    """Runs of offsets at most lone_cost apart; a run stays a range when its width + QB keys a
+    row cost no more than its offsets read alone."""
+    slash = np.array([np.r_[np.arange(30), 40, 43, 200, 203, 206, 500]], np.int32)
+    lone = ps.lone_diagonals(slash, 3)
+    # 0..29: 93 <= 90? no: lone; with cost 4: 93 <= 120, a range. 40, 43: 67 > 6: lone
+    assert lone[0].all()
+    lone = ps.lone_diagonals(slash, 4)
+    assert not lone[0, :30].any() and lone[0, 30:].all()
+    assert not ps.lone_diagonals(slash, 0).any()
+    assert not ps.lone_diagonals(np.arange(100, dtype=np.int32)[None], 2).any()
+
+
+def test_vs_index_lone_rows():
+    """With lone diagonals each row reads every key of its columns and diagonals, and nothing
+    outside the widened (all-range) index's block."""
+    rng = np.random.default_rng(11)
+    for _ in range(10):
+        q_start, length = int(rng.integers(0, 700)), int(rng.integers(1, 300))
+        n = q_start + length
+        vert, slash = lone_vs(rng, 2, n, min(n, 30), min(n, 60)) if n > 500 else \
+            vs_parts(rng, 2, n, q_start, length, min(n, 20), min(n, 9))[:2]
+        nqb = ps.n_qblocks(length)
+        index = ps.pack_index([np.arange(2)], [ps.vs_index(vert, slash, q_start, length, 4)],
+                              2, nqb)
+        check_index(index, 2, nqb)
+        for h in range(2):
+            for b in range(nqb):
+                wide = ps.vs_index_ref(vert, slash, q_start, length, h, b)
+                for i in range(b * ps.QB, min(length, (b + 1) * ps.QB)):
+                    pos = q_start + i
+                    got = index.row_keys(h, b, pos)
+                    assert np.isin(ps.vs_row_ref(vert, slash, h, pos), got).all()
+                    assert np.isin(got, wide[wide <= pos]).all()
+
+
+def test_index_pairs():
+    """Tiled pairs: rows x keys up to the block's last query; lone: rows x diagonals."""
+    q_start, length = 1000, 100  # blocks of 64 and 36 rows
+    index = ps.dense_index(2, q_start, length)
+    tiled, lone, dense = ps.index_pairs(index, q_start, length)
+    assert (tiled, lone) == (2 * (64 * 1064 + 36 * 1100), 0)
+    assert dense == 2 * sum(q_start + i + 1 for i in range(length))
+    vert = np.array([[5, 900]], np.int32)
+    slash = np.array([np.r_[np.arange(64), 300, 700]], np.int32)
+    parts = ps.vs_index(vert, slash, q_start, length, 4)
+    index = ps.pack_index([np.array([0])], [parts], 1, 2)
+    tiled, lone, _ = ps.index_pairs(index, q_start, length)
+    assert lone == 2 * 64 + 2 * 36
+    # ranges [q0 - 63, q1): 127 and 99 keys; columns 5 and 900 outside them
+    assert tiled == 64 * (127 + 2) + 36 * (99 + 2)
 
 
 def test_block_index_hand_made():

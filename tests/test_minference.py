@@ -130,3 +130,21 @@ def test_torch_path_equals_kernel():
                                 torch.from_numpy(v.reshape(hkv, -1, d)[:, :n]), start, index, 0.2,
                                 max_elems=5000)  # several batches of query blocks
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=3e-5)
+    # lone diagonals (scattered offsets), columns on their keys, and a block-sparse head
+    hq = hkv * g
+    vert = np.stack([np.sort(rng.choice(n, 40, False)) for _ in range(hq)]).astype(np.int32)
+    slash = np.stack([np.r_[np.arange(30), np.sort(rng.choice(np.arange(40, n, 7), 20, False))]
+                      for _ in range(hq)]).astype(np.int32)
+    vs = ps.vs_index(vert, slash, start, length, 4)
+    assert vs[5].min() > 0
+    bs = ps.block_index(rng.standard_normal((1, ps.n_qblocks(length), n // 64 + 1)).astype(
+        np.float32), start, length, 2)
+    heads = [np.arange(hq - 1), np.array([hq - 1])]
+    index = ps.pack_index(heads, [tuple(a[:hq - 1] for a in vs), bs], hq, ps.n_qblocks(length))
+    want = ps.sparse_attend(kv, q, start, index, 0.2)
+    for max_elems in (1 << 26, 5000):
+        got = mi.attend_chunk_torch(torch.from_numpy(q),
+                                    torch.from_numpy(k.reshape(hkv, -1, d)[:, :n]),
+                                    torch.from_numpy(v.reshape(hkv, -1, d)[:, :n]), start, index,
+                                    0.2, max_elems=max_elems)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=3e-5)

@@ -5,13 +5,17 @@ Each measurement runs in a fresh subprocess so its peak RSS is its own; runs are
 context length. The model is a small random Llama built locally (`--shape small`, no downloads),
 a random Llama of Llama-3-8B's widths with 2 layers (`--shape 8b`), or `--model`. Reported per
 run: whole-prefill seconds and tok/s, and the part spent in attention (for minference also the
-part spent estimating patterns and building indexes). Compiled kernels are loaded before timing.
+part spent estimating patterns and building indexes, and the (query, key) pairs its sparse chunks
+compute as a share of dense attention's, "keys read", of them the lone diagonals' share).
+Compiled kernels are loaded before timing.
 
 `--sample-chunks S` (for shapes too slow to prefill whole): instead of every chunk, S chunks at
 the middle of S equal spans of the context are prefilled, each after the store was filled with
 random K, V (N(0, 1), BF16) up to its start; every figure is the sampled chunks' mean times the
 number of chunks. Prefill cost per chunk is linear in its start (dense) or flatter (window,
-minference), so the midpoint rule estimates a linear cost exactly.
+minference), so the midpoint rule estimates a linear cost exactly. Random K, V have no structure
+for Vertical-Slash to follow: its diagonals scatter, each read as a lone diagonal (a real model's
+diagonals gather near the query, where they are read as ranges).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def _warm(kv_kind: int) -> None:
     ps.sparse_attend(kv, q, 0, ps.dense_index(1, 0, 64), 1.0)
     ps.vs_estimate(kv, q, np.zeros(1, np.int64), 64, 1.0)
     ps.pool_keys(kv, 0, 1, 64)
-    ps.vs_index(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), 0, 64)
+    ps.vs_index(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), 0, 64, ps.LONE_COST)
     ps.block_index(np.zeros((1, 1, 1), np.float32), 0, 64, 1)
 
 
@@ -98,14 +102,24 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
         kernels.configure_threads(threads)
         _warm(1)
         sess = Session(lm, st)
-        ca = sess.router.chunk_attention
         attn = index = 0.0
+        pairs = [0, 0, 0]  # sparse chunks: (query, key) pairs in tiles, lone; dense's
+
+        def tally() -> float:
+            ca = sess.router.chunk_attention
+            if ca is None:
+                return 0.0
+            pairs[0] += ca.pairs
+            pairs[1] += ca.lone_pairs
+            pairs[2] += ca.dense_pairs
+            return ca.index_s
+
         if not sample:
             t0 = work_clock()  # imports done, as for transformers below; compiling left out
             sess.prefill(ids)
             dt = work_clock() - t0
             attn = sess.router.attn_s
-            index = sess.router.chunk_attention.index_s if ca is not None else 0.0
+            index = tally()
         else:
             n_chunks = -(-n // chunk)
             picks = [int((i + 0.5) * n_chunks / sample) for i in range(sample)]
@@ -117,10 +131,12 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
                 sess.prefill(ids[c * chunk: (c + 1) * chunk])
                 dt += work_clock() - t0
                 attn += sess.router.attn_s
-                index += sess.router.chunk_attention.index_s if ca is not None else 0.0
+                index += tally()
             f = n_chunks / sample
             dt, attn, index = dt * f, attn * f, index * f
-        row.update(prefill=mode.lower(), attention_s=attn, index_s=index)
+        row.update(prefill=mode.lower(), attention_s=attn, index_s=index,
+                   keys_read=(pairs[0] + pairs[1]) / pairs[2] if pairs[2] else None,
+                   lone_read=pairs[1] / pairs[2] if pairs[2] else None)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -129,7 +145,8 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
         with torch.inference_mode():
             stock(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
         dt = time.perf_counter() - t0
-        row.update(prefill="dense", attention_s=None, index_s=None)
+        row.update(prefill="dense", attention_s=None, index_s=None, keys_read=None,
+                   lone_read=None)
     row.update(prefill_s=dt, prefill_tok_s=n / dt, peak_rss_bytes=peak_rss())
     return row
 
@@ -182,8 +199,8 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
     title = f"prefill, {threads} threads, {label}" + (
         f"; {sample} sampled chunks per context" if sample else "")
     table = Table(title=title)
-    for col in ("context", "runtime", "tok/s", "seconds", "attention s", "index s", "x dense",
-                "peak RSS (GB)"):
+    for col in ("context", "runtime", "tok/s", "seconds", "attention s", "index s",
+                "keys read (lone)", "x dense", "peak RSS (GB)"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
@@ -194,6 +211,8 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
             f"{r['prefill_s']:.1f}",
             "" if r["attention_s"] is None else f"{r['attention_s']:.1f}",
             f"{r['index_s']:.1f}" if r["index_s"] else "",
+            "" if r.get("keys_read") is None else
+            f"{r['keys_read']:.1%} ({r['lone_read']:.1%})",
             "" if r["vs_dense"] is None else f"{r['vs_dense']:.2f}",
             f"{r['peak_rss_bytes'] / 1e9:.2f}",
         )
