@@ -448,21 +448,23 @@ def _mask(s, nq, n, pos, qpos0):
 
 @njit(cache=True, fastmath=FASTMATH)
 def _softmax_step(s, nq, m, den, acc):
-    """The online-softmax update of rows i < nq by the scores s [R, KC] (log2 units, -inf =
-    masked): s becomes probabilities, acc and den rescaled."""
+    """The online-softmax update of rows i < nq by the scores s [R, n] (log2 units, -inf =
+    masked, n % W == 0; a chunk's KC keys or a head's lone scores): s becomes probabilities, acc
+    and den rescaled."""
+    n = s.shape[1]
     for i in range(nq):
         mv = vload(s, i, 0)
-        for t in range(W, KC, W):
+        for t in range(W, n, W):
             mv = vmax(mv, vload(s, i, t))
         mn = max(m[i], vhmax(mv))
         if mn == NEG_INF:  # nothing visible yet for this row
-            for t in range(KC):
+            for t in range(n):
                 s[i, t] = F32(0.0)
             continue
         alpha = np.exp2(m[i] - mn) if m[i] != NEG_INF else F32(0.0)
         mvec = vsplat(mn)
         tot = vzero()
-        for t in range(0, KC, W):
+        for t in range(0, n, W):
             p = vexp2_neg(vsub(vload(s, i, t), mvec))
             vstore(s, i, t, p)
             tot = vadd(tot, p)
@@ -606,33 +608,6 @@ def _lone_pass(pv, qp, sl, accp, nq, qpos0, tag, ka, va, rb, split, diags, start
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _lone_merge(sl, nq, m, den, acc):
-    """Fold a head's lone scores sl [R, n] (log2 units, -inf void, n % W == 0) into its softmax
-    state over the ranges and columns: sl becomes probabilities, acc and den are rescaled."""
-    for i in range(nq):
-        mv = vload(sl, i, 0)
-        for t in range(W, sl.shape[1], W):
-            mv = vmax(mv, vload(sl, i, t))
-        mn = max(m[i], vhmax(mv))
-        if mn == NEG_INF:
-            for t in range(sl.shape[1]):
-                sl[i, t] = F32(0.0)
-            continue
-        alpha = np.exp2(m[i] - mn) if m[i] != NEG_INF else F32(0.0)
-        mvec = vsplat(mn)
-        tot = vzero()
-        for t in range(0, sl.shape[1], W):
-            p = vexp2_neg(vsub(vload(sl, i, t), mvec))
-            vstore(sl, i, t, p)
-            tot = vadd(tot, p)
-        den[i] = den[i] * alpha + vhsum(tot)
-        m[i] = mn
-        if alpha != F32(1.0):
-            for c in range(acc.shape[1]):
-                acc[i, c] *= alpha
-
-
-@njit(cache=True, fastmath=FASTMATH)
 def _task(q, j, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix, perm, scale2, out):
     """Query block b of the g query heads of KV head j over their index entries; writes
     out[h, rows of b]. Each head's ranges and columns, then their lone diagonals together."""
@@ -728,7 +703,7 @@ def _lone_task(q, j, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix,
                seen)
     for hh in range(g):
         if ends[hh] > starts[hh]:
-            _lone_merge(sl[hh], nq, m[hh], den[hh], acc[hh])
+            _softmax_step(sl[hh], nq, m[hh], den[hh], acc[hh])
     _lone_pass(True, qp, sl, accp, nq, qpos0, k_tail, ka, va, rb, split, diags, starts, ends,
                seen)
     for hh in range(g):
