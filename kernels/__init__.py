@@ -1,6 +1,7 @@
 """Numba kernels for block-sparse decode: anchors, block scores, top-k, attention, a whole decode
 step (scores, top-k and attention in one call), query votes; sparse prefill attention
-(`prefill_sparse`: MInference's per-head patterns); GEMV over 16-bit and GGUF-quantised weights.
+(`prefill_index` builds MInference's per-head patterns, `prefill_sparse` attends over them);
+GEMV over 16-bit and GGUF-quantised weights.
 
 Imported as `ktlong.kernels`. Importing it (before any kernel compiles):
 - sets OMP_WAIT_POLICY=PASSIVE (unless set) and picks Numba's `omp` threading layer: spinning
@@ -76,7 +77,7 @@ try:
 except OSError:
     pass  # unwritable home: Numba's default cache location
 try:
-    from . import prefill_sparse  # noqa: E402  (sparse prefill: ktlong.kernels.prefill_sparse)
+    from . import prefill_index, prefill_sparse  # noqa: E402  (sparse prefill)
     from .anchors import (  # noqa: E402
         Q8_EXTRA,
         AnchorView,
@@ -117,7 +118,8 @@ __all__ = [
     "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "cache_dir",
     "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
     "dequant_rows", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "merge_partials",
-    "merge_partials_ref", "prefill_sparse", "q8_encode", "qgemv", "qgemv_ref", "query_votes",
+    "merge_partials_ref", "prefill_index", "prefill_sparse", "q8_encode", "qgemv", "qgemv_ref",
+    "query_votes",
     "query_votes_ref", "score_blocks", "score_blocks_ref", "select_attend", "select_attend_layer",
     "select_attend_ref", "select_blocks", "source_hash", "topk_blocks", "topk_blocks_ref",
 ]

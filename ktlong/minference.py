@@ -159,7 +159,7 @@ def _groups(row: tuple[HeadPattern, ...]) -> dict[HeadPattern, np.ndarray]:
 def _topk_forced(x: np.ndarray, k: int, forced: np.ndarray) -> np.ndarray:
     x = x.copy()
     x[:, forced] = np.inf
-    from ktlong.kernels.prefill_sparse import topk_sorted
+    from ktlong.kernels.prefill_index import topk_sorted
 
     return topk_sorted(x, k)
 
@@ -168,6 +168,7 @@ def build_index(row: tuple[HeadPattern, ...], kv: Any, q: np.ndarray, start: int
                 pooled: np.ndarray | None) -> Any:
     """The index of a chunk: q [Hq, L, d] float32 at positions start..; kv the layer's
     LayerKV (chunk included); pooled [Hkv, nkb, d] mean keys of 64-token blocks (block heads)."""
+    from ktlong.kernels import prefill_index as pi
     from ktlong.kernels import prefill_sparse as ps
 
     hq, length, d = q.shape
@@ -175,23 +176,23 @@ def build_index(row: tuple[HeadPattern, ...], kv: Any, q: np.ndarray, start: int
     heads, parts = [], []
     for p, hs in _groups(row).items():
         if p.kind == "ashape":
-            parts.append(ps.ashape_index(len(hs), start, length, p.a, p.b))
+            parts.append(pi.ashape_index(len(hs), start, length, p.a, p.b))
         elif p.kind == "vs":
             qw = q[hs, -min(LAST_Q, length):]
             vert, slash = ps.vs_estimate(kv, qw, hs // g, n, scale)
             cols = _topk_forced(vert, p.a, np.arange(min(FORCED_COLS, n)))
             diags = _topk_forced(slash, max(p.b, 1), np.arange(min(FORCED_DIAGS, n)))
-            parts.append(ps.vs_index(cols, diags, start, length, ps.LONE_COST))
+            parts.append(pi.vs_index(cols, diags, start, length, pi.LONE_COST))
         else:
-            nqb = ps.n_qblocks(length)
-            qp = np.zeros((len(hs), nqb * ps.QB, d), np.float32)
+            nqb = pi.n_qblocks(length)
+            qp = np.zeros((len(hs), nqb * pi.QB, d), np.float32)
             qp[:, :length] = q[hs]
-            cnt = np.minimum(ps.QB, length - np.arange(nqb) * ps.QB)  # rows per query block
-            qpool = qp.reshape(len(hs), nqb, ps.QB, d).sum(2) / cnt[None, :, None]
+            cnt = np.minimum(pi.QB, length - np.arange(nqb) * pi.QB)  # rows per query block
+            qpool = qp.reshape(len(hs), nqb, pi.QB, d).sum(2) / cnt[None, :, None]
             scores = np.einsum("hbd,hkd->hbk", qpool, pooled[hs // g])  # [Hs, nqb, nkb]
-            parts.append(ps.block_index(scores.astype(np.float32), start, length, p.a))
+            parts.append(pi.block_index(scores.astype(np.float32), start, length, p.a))
         heads.append(hs)
-    return ps.pack_index(heads, parts, hq, ps.n_qblocks(length))
+    return pi.pack_index(heads, parts, hq, pi.n_qblocks(length))
 
 
 class ChunkAttention:
@@ -209,19 +210,20 @@ class ChunkAttention:
         self.pairs = self.lone_pairs = self.dense_pairs = 0
 
     def _pooled(self, layer: int, kv: Any, n: int) -> np.ndarray | None:
+        from ktlong.kernels import prefill_index as pi
         from ktlong.kernels import prefill_sparse as ps
 
         if not self.needs_pool[layer]:
             return None
         full, have = self.pooled.get(layer, (0, np.zeros((kv.hkv, 0, kv.d), np.float32)))
-        nkb, nfull = -(-n // ps.QB), n // ps.QB
+        nkb, nfull = -(-n // pi.QB), n // pi.QB
         new = ps.pool_keys(kv, full, nkb, n)  # [Hkv, nkb - full, d], the last maybe partial
         out = np.concatenate([have[:, :full], new], 1)
         self.pooled[layer] = (nfull, out)
         return out
 
     def count(self, index: Any, start: int, length: int) -> None:
-        from ktlong.kernels.prefill_sparse import index_pairs
+        from ktlong.kernels.prefill_index import index_pairs
 
         tiled, lone, dense = index_pairs(index, start, length)
         self.pairs += tiled
@@ -253,19 +255,19 @@ def attend_chunk_torch(q: Any, k: Any, v: Any, start: int, index: Any, scale: fl
     masked (padding, causal, a diagonal key the block already holds), softmax, times V."""
     import torch
 
-    from ktlong.kernels import prefill_sparse as ps
+    from ktlong.kernels import prefill_index as pi
 
     hq, length, d = q.shape
     g, n = hq // k.shape[0], k.shape[1]
-    nqb, QB = ps.n_qblocks(length), ps.QB
+    nqb, QB = pi.n_qblocks(length), pi.QB
     dev = q.device
     out = torch.empty((hq, length, d), dtype=torch.float32, device=dev)
     qpad = torch.zeros((hq, nqb * QB, d), dtype=torch.float32, device=dev)
     qpad[:, :length] = q.float() * scale
     qpos = start + torch.arange(nqb * QB, device=dev).view(nqb, QB)  # [nqb, QB]
     for h in range(hq):
-        pos, cnt = ps.index_positions(index, h)  # [nqb, P] int64 (padded), [nqb]
-        dg, dcnt = ps.index_diags(index, h)  # [nqb, D] int64 (padded), [nqb]
+        pos, cnt = pi.index_positions(index, h)  # [nqb, P] int64 (padded), [nqb]
+        dg, dcnt = pi.index_diags(index, h)  # [nqb, D] int64 (padded), [nqb]
         lone = bool(dcnt.any())
         pos_t = torch.from_numpy(pos).to(dev)
         valid = torch.arange(pos.shape[1], device=dev)[None] < torch.from_numpy(cnt).to(

@@ -34,18 +34,18 @@ def candidates(budget: int) -> list[HeadPattern]:
 def head_recall(probs: np.ndarray, index: Any, h: int, q_start: int) -> float:
     """Mean over rows of the probability mass of probs [R, n] (head h's exact attention of the
     queries at q_start..) that index keeps."""
-    from ktlong.kernels import prefill_sparse as ps
+    from ktlong.kernels import prefill_index as pi
 
-    pos, cnt = ps.index_positions(index, h)
-    dg, dcnt = ps.index_diags(index, h)
+    pos, cnt = pi.index_positions(index, h)
+    dg, dcnt = pi.index_diags(index, h)
     n = probs.shape[1]
     kept = []
     for b in range(pos.shape[0]):
-        rows = probs[b * ps.QB: (b + 1) * ps.QB]
+        rows = probs[b * pi.QB: (b + 1) * pi.QB]
         held = pos[b, : cnt[b]]
         mass = rows[:, held].sum(1)  # the causal mask zeroed the future
         if dcnt[b]:  # lone diagonals: each row's own keys, less those the block holds
-            key = q_start + b * ps.QB + np.arange(rows.shape[0])[:, None] - dg[b, : dcnt[b]]
+            key = q_start + b * pi.QB + np.arange(rows.shape[0])[:, None] - dg[b, : dcnt[b]]
             ok = key >= 0
             ok[ok] = ~np.isin(key[ok], held)
             mass += np.where(ok, np.take_along_axis(rows, key.clip(0, n - 1), 1), 0).sum(1)
@@ -69,14 +69,15 @@ def search(lm: Any, settings: Settings, ids: list[int], budget: int, queries: in
     import dataclasses
 
     from ktlong.engine import Session
+    from ktlong.kernels import prefill_index as pi
     from ktlong.kernels import prefill_sparse as ps
 
     spec = lm.spec
     n = len(ids)
-    r = min(queries, n) // ps.QB * ps.QB
-    if r < ps.QB or n < 2 * r:
+    r = min(queries, n) // pi.QB * pi.QB
+    if r < pi.QB or n < 2 * r:
         raise KtlongError(f"the sample document has {n:,} tokens: too short to tune on",
-                          hint=f"use a document of at least {2 * max(queries, ps.QB):,} tokens")
+                          hint=f"use a document of at least {2 * max(queries, pi.QB):,} tokens")
     st = dataclasses.replace(settings, prefill="DENSE", attention="DENSE", kv_type="FP32",
                              max_seq_len=n + 16)
     sess = Session(lm, st)
@@ -94,7 +95,7 @@ def search(lm: Any, settings: Settings, ids: list[int], budget: int, queries: in
         kv = sess.store.kernel_views(layer)[0]
         k = sess.store.token_range(layer, 0, n)[0].numpy()  # [Hkv, n, d]
         q = captured[layer].numpy()  # [Hq, r, d]
-        pooled = ps.pool_keys(kv, 0, -(-n // ps.QB), n)
+        pooled = ps.pool_keys(kv, 0, -(-n // pi.QB), n)
         probs = [dense_probs(q[h], k[h // g], q_start, scale) for h in range(spec.n_heads)]
         rec = [dict.fromkeys([c.text() for c in cands], 0.0) for _ in range(spec.n_heads)]
         for c in cands:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ktlong.kernels import prefill_index as pi
 from ktlong.kernels import prefill_sparse as ps
 
 from ktlong import kernels as K
@@ -67,7 +68,7 @@ def vs_parts(rng, hq, n_tokens, q_start, length, kv_n=12, ks_n=6, lone_cost=0):
     slash = np.stack([np.sort(np.r_[0, rng.choice(np.arange(1, n_tokens), ks_n - 1,
                                                   replace=False)]) for _ in range(hq)])
     vert, slash = vert.astype(np.int32), slash.astype(np.int32)
-    return vert, slash, ps.vs_index(vert, slash, q_start, length, lone_cost)
+    return vert, slash, pi.vs_index(vert, slash, q_start, length, lone_cost)
 
 
 def lone_vs(rng, hq, n_tokens, kv_n=40, ks_n=40):
@@ -81,9 +82,9 @@ def lone_vs(rng, hq, n_tokens, kv_n=40, ks_n=40):
 
 
 def bs_parts(rng, hq, q_start, length, k_b):
-    nqb, nkb = ps.n_qblocks(length), -(-(q_start + length) // ps.QB)
+    nqb, nkb = pi.n_qblocks(length), -(-(q_start + length) // pi.QB)
     scores = rng.standard_normal((hq, nqb, nkb)).astype(np.float32)
-    return scores, ps.block_index(scores, q_start, length, k_b)
+    return scores, pi.block_index(scores, q_start, length, k_b)
 
 
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
@@ -91,12 +92,12 @@ def bs_parts(rng, hq, q_start, length, k_b):
 def test_pattern_equals_dense_restricted_to_its_index(kind, pattern):
     rng, arrays, kv, q = problem(10 * kind + len(pattern), kind)
     hq, length = q.shape[0], q.shape[1]
-    q_start, nqb = 200, ps.n_qblocks(length)
+    q_start, nqb = 200, pi.n_qblocks(length)
     parts = {
-        "ashape": ps.ashape_index(hq, q_start, length, 16, 70),
+        "ashape": pi.ashape_index(hq, q_start, length, 16, 70),
         "vs": vs_parts(rng, hq, q_start + length, q_start, length)[2],
         # scattered offsets and the band 0..9: lone diagonals, and a range with columns in it
-        "vs-lone": ps.vs_index(*lone_vs(rng, hq, q_start + length), q_start, length, 4),
+        "vs-lone": pi.vs_index(*lone_vs(rng, hq, q_start + length), q_start, length, 4),
         "bs": bs_parts(rng, hq, q_start, length, 2)[1],
     }
     assert parts["vs-lone"][5].min() > 0  # every block has lone diagonals
@@ -104,9 +105,9 @@ def test_pattern_equals_dense_restricted_to_its_index(kind, pattern):
         heads = [np.array([0]), np.array([1, 2]), np.array([3])]
         chosen = [parts["ashape"], parts["vs-lone"], parts["bs"]]
         chosen = [tuple(a[h] for a in p) for h, p in zip(heads, chosen, strict=True)]
-        index = ps.pack_index(heads, chosen, hq, nqb)
+        index = pi.pack_index(heads, chosen, hq, nqb)
     else:
-        index = ps.pack_index([np.arange(hq)], [parts[pattern]], hq, nqb)
+        index = pi.pack_index([np.arange(hq)], [parts[pattern]], hq, nqb)
     check_index(index, hq, nqb)
     out = ps.sparse_attend(kv, q, q_start, index, 32 ** -0.5)
     ref = ps.sparse_attend_ref(q, *arrays[:4], arrays[4], kind, q_start, index, 32 ** -0.5)
@@ -122,19 +123,19 @@ def test_budgets_covering_everything_equal_dense(kind):
                                  length=100)
     hq, length = q.shape[0], q.shape[1]
     q_start, n = 130, 230
-    nqb = ps.n_qblocks(length)
+    nqb = pi.n_qblocks(length)
     dense = dense_ref(q, arrays, kind, q_start, 0.2)
     all_cols = np.broadcast_to(np.arange(n, dtype=np.int32), (hq, n)).copy()
     everything = [
-        ps.dense_index(hq, q_start, length),
-        ps.pack_index([np.arange(hq)], [ps.ashape_index(hq, q_start, length, 64, n)], hq, nqb),
-        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols[:, :1], all_cols, q_start, length,
+        pi.dense_index(hq, q_start, length),
+        pi.pack_index([np.arange(hq)], [pi.ashape_index(hq, q_start, length, 64, n)], hq, nqb),
+        pi.pack_index([np.arange(hq)], [pi.vs_index(all_cols[:, :1], all_cols, q_start, length,
                                                     0)], hq, nqb),  # every diagonal, as ranges
-        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols[:, :1], all_cols, q_start, length,
+        pi.pack_index([np.arange(hq)], [pi.vs_index(all_cols[:, :1], all_cols, q_start, length,
                                                     1)], hq, nqb),  # every diagonal, lone
-        ps.pack_index([np.arange(hq)], [ps.vs_index(all_cols, all_cols[:, :1], q_start, length,
+        pi.pack_index([np.arange(hq)], [pi.vs_index(all_cols, all_cols[:, :1], q_start, length,
                                                     4)], hq, nqb),  # every column
-        ps.pack_index([np.arange(hq)], [bs_parts(rng, hq, q_start, length, 99)[1]], hq, nqb),
+        pi.pack_index([np.arange(hq)], [bs_parts(rng, hq, q_start, length, 99)[1]], hq, nqb),
     ]
     for index in everything:
         out = ps.sparse_attend(kv, q, q_start, index, 0.2)
@@ -144,7 +145,7 @@ def test_budgets_covering_everything_equal_dense(kind):
 def test_first_chunk_and_partial_blocks():
     """q_start 0 (the document's first chunk), a length that is not a multiple of QB."""
     rng, arrays, kv, q = problem(3, 1, q_start=0, length=97, g=4, d=64, hkv=1)
-    out = ps.sparse_attend(kv, q, 0, ps.dense_index(4, 0, 97), 0.125)
+    out = ps.sparse_attend(kv, q, 0, pi.dense_index(4, 0, 97), 0.125)
     np.testing.assert_allclose(out, dense_ref(q, arrays, 1, 0, 0.125), rtol=1e-4, atol=3e-5)
 
 
@@ -154,7 +155,7 @@ def test_vs_index_hand_made():
     q_start, length = 1000, 128  # blocks [1000, 1064) and [1064, 1128)
     vert = np.array([[3, 900, 950, 1063, 1100]], np.int32)
     slash = np.array([[0, 10, 50, 100, 1000]], np.int32)
-    rg, rn, cl, cn, _, dn = ps.vs_index(vert, slash, q_start, length, 0)
+    rg, rn, cl, cn, _, dn = pi.vs_index(vert, slash, q_start, length, 0)
     assert dn.max() == 0  # lone cost 0: every offset a range
     # block 0: offsets 0,10,50 -> [1000,1064), [990,1054), [950,1014) merge to [950, 1064);
     # 100 -> [900, 964) touches it: [900, 1064); 1000 -> [0, 64)
@@ -165,9 +166,9 @@ def test_vs_index_hand_made():
     assert rg[0, 1, : rn[0, 1]].tolist() == [[64, 128], [964, 1128]]
     assert cl[0, 1, : cn[0, 1]].tolist() == [3, 900, 950]
     for b in range(2):
-        index = ps.pack_index([np.array([0])], [(rg, rn, cl, cn)], 1, 2)
+        index = pi.pack_index([np.array([0])], [(rg, rn, cl, cn)], 1, 2)
         np.testing.assert_array_equal(index.keys(0, b),
-                                      ps.vs_index_ref(vert, slash, q_start, length, 0, b))
+                                      pi.vs_index_ref(vert, slash, q_start, length, 0, b))
 
 
 def test_vs_index_matches_reference_random():
@@ -176,12 +177,12 @@ def test_vs_index_matches_reference_random():
         q_start, length = int(rng.integers(0, 600)), int(rng.integers(1, 300))
         n = q_start + length
         vert, slash, parts = vs_parts(rng, 3, n, q_start, length, min(n, 20), min(n, 9))
-        index = ps.pack_index([np.arange(3)], [parts], 3, ps.n_qblocks(length))
+        index = pi.pack_index([np.arange(3)], [parts], 3, pi.n_qblocks(length))
         assert index.diags.size == 0
-        check_index(index, 3, ps.n_qblocks(length))
+        check_index(index, 3, pi.n_qblocks(length))
         for h in range(3):
-            for b in range(ps.n_qblocks(length)):
-                want = ps.vs_index_ref(vert, slash, q_start, length, h, b)
+            for b in range(pi.n_qblocks(length)):
+                want = pi.vs_index_ref(vert, slash, q_start, length, h, b)
                 got = index.keys(h, b)
                 np.testing.assert_array_equal(got, want)
 
@@ -190,13 +191,13 @@ def test_lone_diagonals_hand_made():
     """Runs of offsets at most lone_cost apart; a run stays a range when its width + QB keys a
     row cost no more than its offsets read alone."""
     slash = np.array([np.r_[np.arange(30), 40, 43, 200, 203, 206, 500]], np.int32)
-    lone = ps.lone_diagonals(slash, 3)
+    lone = pi.lone_diagonals(slash, 3)
     # 0..29: 93 <= 90? no: lone; with cost 4: 93 <= 120, a range. 40, 43: 67 > 6: lone
     assert lone[0].all()
-    lone = ps.lone_diagonals(slash, 4)
+    lone = pi.lone_diagonals(slash, 4)
     assert not lone[0, :30].any() and lone[0, 30:].all()
-    assert not ps.lone_diagonals(slash, 0).any()
-    assert not ps.lone_diagonals(np.arange(100, dtype=np.int32)[None], 2).any()
+    assert not pi.lone_diagonals(slash, 0).any()
+    assert not pi.lone_diagonals(np.arange(100, dtype=np.int32)[None], 2).any()
 
 
 def test_vs_index_lone_rows():
@@ -208,32 +209,32 @@ def test_vs_index_lone_rows():
         n = q_start + length
         vert, slash = lone_vs(rng, 2, n, min(n, 30), min(n, 60)) if n > 500 else \
             vs_parts(rng, 2, n, q_start, length, min(n, 20), min(n, 9))[:2]
-        nqb = ps.n_qblocks(length)
-        index = ps.pack_index([np.arange(2)], [ps.vs_index(vert, slash, q_start, length, 4)],
+        nqb = pi.n_qblocks(length)
+        index = pi.pack_index([np.arange(2)], [pi.vs_index(vert, slash, q_start, length, 4)],
                               2, nqb)
         check_index(index, 2, nqb)
         for h in range(2):
             for b in range(nqb):
-                wide = ps.vs_index_ref(vert, slash, q_start, length, h, b)
-                for i in range(b * ps.QB, min(length, (b + 1) * ps.QB)):
+                wide = pi.vs_index_ref(vert, slash, q_start, length, h, b)
+                for i in range(b * pi.QB, min(length, (b + 1) * pi.QB)):
                     pos = q_start + i
                     got = index.row_keys(h, b, pos)
-                    assert np.isin(ps.vs_row_ref(vert, slash, h, pos), got).all()
+                    assert np.isin(pi.vs_row_ref(vert, slash, h, pos), got).all()
                     assert np.isin(got, wide[wide <= pos]).all()
 
 
 def test_index_pairs():
     """Tiled pairs: rows x keys up to the block's last query; lone: rows x diagonals."""
     q_start, length = 1000, 100  # blocks of 64 and 36 rows
-    index = ps.dense_index(2, q_start, length)
-    tiled, lone, dense = ps.index_pairs(index, q_start, length)
+    index = pi.dense_index(2, q_start, length)
+    tiled, lone, dense = pi.index_pairs(index, q_start, length)
     assert (tiled, lone) == (2 * (64 * 1064 + 36 * 1100), 0)
     assert dense == 2 * sum(q_start + i + 1 for i in range(length))
     vert = np.array([[5, 900]], np.int32)
     slash = np.array([np.r_[np.arange(64), 300, 700]], np.int32)
-    parts = ps.vs_index(vert, slash, q_start, length, 4)
-    index = ps.pack_index([np.array([0])], [parts], 1, 2)
-    tiled, lone, _ = ps.index_pairs(index, q_start, length)
+    parts = pi.vs_index(vert, slash, q_start, length, 4)
+    index = pi.pack_index([np.array([0])], [parts], 1, 2)
+    tiled, lone, _ = pi.index_pairs(index, q_start, length)
     assert lone == 2 * 64 + 2 * 36
     # ranges [q0 - 63, q1): 127 and 99 keys; columns 5 and 900 outside them
     assert tiled == 64 * (127 + 2) + 36 * (99 + 2)
@@ -245,18 +246,18 @@ def test_block_index_hand_made():
     scores = np.zeros((1, 1, 6), np.float32)
     scores[0, 0, [2, 3]] = 5.0  # blocks 2 and 3 win
     scores[0, 0, 5] = -9.0  # the diagonal block is kept whatever its score
-    rg, rn, _, cn = ps.block_index(scores, q_start, length, 2)
+    rg, rn, _, cn = pi.block_index(scores, q_start, length, 2)
     assert rg[0, 0, : rn[0, 0]].tolist() == [[0, 64], [128, 256], [320, 384]]
     assert cn[0, 0] == 0
-    rg, rn, _, _ = ps.block_index(scores, q_start, length, 0)
+    rg, rn, _, _ = pi.block_index(scores, q_start, length, 0)
     assert rg[0, 0, : rn[0, 0]].tolist() == [[0, 64], [320, 384]]
 
 
 def test_ashape_index():
-    rg, rn, _, _ = ps.ashape_index(1, 1000, 128, 64, 256)
+    rg, rn, _, _ = pi.ashape_index(1, 1000, 128, 64, 256)
     assert rg[0, 0, : rn[0, 0]].tolist() == [[0, 64], [744, 1064]]
     assert rg[0, 1, : rn[0, 1]].tolist() == [[0, 64], [808, 1128]]
-    rg, rn, _, _ = ps.ashape_index(1, 100, 50, 64, 256)  # window reaches the sinks: one range
+    rg, rn, _, _ = pi.ashape_index(1, 100, 50, 64, 256)  # window reaches the sinks: one range
     assert rg[0, 0, : rn[0, 0]].tolist() == [[0, 150]]
 
 
@@ -284,7 +285,7 @@ def test_pool_keys_matches_reference(kind):
 
 def test_bad_index_is_refused():
     _, _, kv, q = problem(1, 0)
-    index = ps.dense_index(4, 200, 150)
+    index = pi.dense_index(4, 200, 150)
     with pytest.raises(ValueError, match="index is for"):
         ps.sparse_attend(kv, q[:, :64], 200, index, 0.1)
     bad = index._replace(ranges=index.ranges + 10_000)
@@ -295,8 +296,8 @@ def test_bad_index_is_refused():
 def test_index_positions():
     rng = np.random.default_rng(9)
     _, _, parts = vs_parts(rng, 3, 400, 250, 150)
-    index = ps.pack_index([np.arange(3)], [parts], 3, 3)
+    index = pi.pack_index([np.arange(3)], [parts], 3, 3)
     for h in range(3):
-        pos, cnt = ps.index_positions(index, h)
+        pos, cnt = pi.index_positions(index, h)
         for b in range(3):
             np.testing.assert_array_equal(np.sort(pos[b, : cnt[b]]), index.keys(h, b))

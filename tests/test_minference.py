@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ktlong.kernels import prefill_index as pi
 from ktlong.kernels import prefill_sparse as ps
 
 from ktlong import minference as mi
@@ -123,7 +124,7 @@ def test_torch_path_equals_kernel():
     kv = kernels.layer_kv(empty, empty, k, v, 0, 0)
     q = rng.standard_normal((hkv * g, length, d)).astype(np.float32)
     row = tuple(mi.parse_head(t, "t") for t in ("ashape 16 64", "vs 8 40", "block 2", "vs 4 9"))
-    pooled = ps.pool_keys(kv, 0, -(-n // ps.QB), n)
+    pooled = ps.pool_keys(kv, 0, -(-n // pi.QB), n)
     index = mi.build_index(row, kv, q, start, 0.2, pooled)
     want = ps.sparse_attend(kv, q, start, index, 0.2)
     got = mi.attend_chunk_torch(torch.from_numpy(q), torch.from_numpy(k.reshape(hkv, -1, d)[:, :n]),
@@ -135,12 +136,12 @@ def test_torch_path_equals_kernel():
     vert = np.stack([np.sort(rng.choice(n, 40, False)) for _ in range(hq)]).astype(np.int32)
     slash = np.stack([np.r_[np.arange(30), np.sort(rng.choice(np.arange(40, n, 7), 20, False))]
                       for _ in range(hq)]).astype(np.int32)
-    vs = ps.vs_index(vert, slash, start, length, 4)
+    vs = pi.vs_index(vert, slash, start, length, 4)
     assert vs[5].min() > 0
-    bs = ps.block_index(rng.standard_normal((1, ps.n_qblocks(length), n // 64 + 1)).astype(
+    bs = pi.block_index(rng.standard_normal((1, pi.n_qblocks(length), n // 64 + 1)).astype(
         np.float32), start, length, 2)
     heads = [np.arange(hq - 1), np.array([hq - 1])]
-    index = ps.pack_index(heads, [tuple(a[:hq - 1] for a in vs), bs], hq, ps.n_qblocks(length))
+    index = pi.pack_index(heads, [tuple(a[:hq - 1] for a in vs), bs], hq, pi.n_qblocks(length))
     want = ps.sparse_attend(kv, q, start, index, 0.2)
     for max_elems in (1 << 26, 5000):
         got = mi.attend_chunk_torch(torch.from_numpy(q),

@@ -3,7 +3,7 @@ MINFERENCE prefill uses it; recall is a probability share and full coverage keep
 from __future__ import annotations
 
 import numpy as np
-from ktlong.kernels import prefill_sparse as ps
+from ktlong.kernels import prefill_index as pi
 
 from ktlong import minference as mi
 from ktlong import tune
@@ -36,8 +36,8 @@ def test_recall_of_full_index_is_one():
     q, k = rng.standard_normal((r, d)), rng.standard_normal((n, d))
     probs = tune.dense_probs(q, k, n - r, 0.5)
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
-    assert tune.head_recall(probs, ps.dense_index(1, n - r, r), 0, n - r) > 1 - 1e-5
-    narrow = ps.pack_index([np.arange(1)], [ps.ashape_index(1, n - r, r, 0, 0)], 1, 2)
+    assert tune.head_recall(probs, pi.dense_index(1, n - r, r), 0, n - r) > 1 - 1e-5
+    narrow = pi.pack_index([np.arange(1)], [pi.ashape_index(1, n - r, r, 0, 0)], 1, 2)
     assert tune.head_recall(probs, narrow, 0, n - r) < 0.9
 
 
@@ -49,8 +49,8 @@ def test_recall_counts_lone_diagonals_once():
     probs = tune.dense_probs(q, k, n - r, 0.5)
     vert = np.array([[3, 17, 150, 290]], np.int32)
     slash = np.array([np.r_[np.arange(30), 60, 61, 140, 287, 300]], np.int32)
-    parts = ps.vs_index(vert, slash, n - r, r, 4)
+    parts = pi.vs_index(vert, slash, n - r, r, 4)
     assert parts[5].min() > 0
-    index = ps.pack_index([np.arange(1)], [parts], 1, 2)
-    want = np.mean([probs[i, index.row_keys(0, i // ps.QB, n - r + i)].sum() for i in range(r)])
+    index = pi.pack_index([np.arange(1)], [parts], 1, 2)
+    want = np.mean([probs[i, index.row_keys(0, i // pi.QB, n - r + i)].sum() for i in range(r)])
     assert abs(tune.head_recall(probs, index, 0, n - r) - want) < 1e-5

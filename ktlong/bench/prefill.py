@@ -45,17 +45,18 @@ def _warm(kv_kind: int) -> None:
     import numpy as np
 
     from ktlong import kernels
+    from ktlong.kernels import prefill_index as pi
     from ktlong.kernels import prefill_sparse as ps
 
     z = np.zeros((1, 4, 64, 32), np.float32)
     k = kernels.f32_to_kv(z, kv_kind)
     kv = kernels.layer_kv(k[:, :0], k[:, :0], k, k.copy(), 0, kv_kind)
     q = np.zeros((1, 64, 32), np.float32)
-    ps.sparse_attend(kv, q, 0, ps.dense_index(1, 0, 64), 1.0)
+    ps.sparse_attend(kv, q, 0, pi.dense_index(1, 0, 64), 1.0)
     ps.vs_estimate(kv, q, np.zeros(1, np.int64), 64, 1.0)
     ps.pool_keys(kv, 0, 1, 64)
-    ps.vs_index(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), 0, 64, ps.LONE_COST)
-    ps.block_index(np.zeros((1, 1, 1), np.float32), 0, 64, 1)
+    pi.vs_index(np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), 0, 64, pi.LONE_COST)
+    pi.block_index(np.zeros((1, 1, 1), np.float32), 0, 64, 1)
 
 
 def _fill_random(sess: Any, upto: int, seed: int) -> None:
