@@ -566,6 +566,11 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                  profiles: Annotated[str, typer.Option(
                      help="With --shape: settings profiles (names or YAML files), "
                           "comma-separated, each in its own process.")] = "default",
+                 peers: Annotated[str, typer.Option(
+                     help="With --shape: llama.cpp runtimes decoding the same file over a "
+                          "synthetic KV of the same length, comma-separated: llamacpp-fa (F16 "
+                          "KV), llamacpp-q8kv (Q8_0 KV), llamacpp-nofa (no flash attention); "
+                          "needs the [peers] extra.")] = "",
                  plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
     """Sparse decode speed against context length: one layer's attention (kernels only), or a
     whole model over a synthetic KV cache (--shape)."""
@@ -585,13 +590,25 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                               f"{list(SHAPES)} and weights from {', '.join(WEIGHTS)}")
         cache = resolve(None).settings.cache_dir
         names = tuple(p.strip() for p in profiles.split(",") if p.strip()) or ("default",)
+        peer_names = tuple(p.strip() for p in peers.split(",") if p.strip())
+        bad = [p for p in peer_names if p not in decodemodel.PEERS]
+        if bad:
+            raise KtlongError(f"--peers {', '.join(bad)}: unknown",
+                              hint=f"choose from {', '.join(decodemodel.PEERS)}")
+        if peer_names:
+            from ktlong.bench.e2e import PEERS_HINT, _llamacpp_available
+
+            if not _llamacpp_available():
+                raise KtlongError("--peers needs llama-cpp-python", hint=PEERS_HINT)
         data = decodemodel.run(lengths, kv_types, kv_tier, steps, runs, threads,
                                (shape, layers, weights), cache,
-                               lambda m: print(m, file=sys.stderr, flush=True), names)
+                               lambda m: print(m, file=sys.stderr, flush=True), names,
+                               peer_names)
         data["command"] = (f"ktlong bench decode --shape {shape} --layers {layers} --weights "
                            f"{weights} --contexts {contexts} --kv-type {','.join(kv_types)} "
                            f"--kv-tier {kv_tier} --steps {steps} --runs {runs}"
                            f"{f' --profiles {profiles}' if profiles != 'default' else ''}"
+                           f"{f' --peers {peers}' if peer_names else ''}"
                            f"{f' -t {threads}' if threads else ''}")
         if as_json:
             import json

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from ktlong.bench import decode
@@ -220,3 +221,61 @@ def test_decodemodel_worker_runs_a_profile_with_the_questions_blocks(tmp_path):
     r = decodemodel.worker(str(gguf), "BF16", "ram", 800, 3, 1, 1, str(tmp_path), str(prof))
     assert r["profile"] == str(prof) and r["tok_s"] > 0 and r["question_s"] > 0
     assert r["pinned"] == 2
+
+
+@pytest.mark.parametrize("ggml_type", [1, 8])
+def test_llama_state_layout(ggml_type):
+    """The synthetic llama.cpp sequence state, read back field by field as llama.cpp's
+    state_read does: header, one cell per token at positions 0..n-1, then per layer the K rows
+    and per layer the V rows, each behind its type and row size; values finite and bounded."""
+    import struct
+
+    from ktlong.bench import llamastate
+
+    n, layers, dim = 37, 3, 64
+    b = llamastate.seq_state(n, layers, dim, ggml_type, seed=1, seq_id=0).tobytes()
+    assert len(b) == llamastate.state_size(n, layers, dim, ggml_type)
+    assert struct.unpack_from("<IiII", b, 0) == (0xAF143CD8, 0, 1, n)
+    cells = [struct.unpack_from("<iIi", b, 16 + 12 * i) for i in range(n)]
+    assert cells == [(i, 1, 0) for i in range(n)]
+    off = 16 + 12 * n
+    assert struct.unpack_from("<II", b, off) == (0, layers)  # rows, not transposed
+    off += 8
+    rb = 2 * dim if ggml_type == 1 else dim // 32 * 34
+    for _ in range(2 * layers):
+        assert struct.unpack_from("<iQ", b, off) == (ggml_type, rb)
+        rows = np.frombuffer(b, np.uint8, n * rb, off + 12).reshape(n, rb)
+        if ggml_type == 1:
+            vals = rows.view(np.float16).astype(np.float32)
+        else:
+            blocks = rows.reshape(n, dim // 32, 34)
+            scale = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)
+            vals = blocks[:, :, 2:].view(np.int8) * scale
+        assert np.isfinite(vals).all() and np.abs(vals).max() <= 8 and vals.std() > 0.3
+        off += 12 + n * rb
+    assert off == len(b)
+    with pytest.raises(ValueError, match="Q8_0 needs"):
+        llamastate.row_bytes(8, 40)
+    with pytest.raises(ValueError, match="only F16"):
+        llamastate.row_bytes(2, 64)
+
+
+def test_llama_state_transposed_values():
+    """Without flash attention llama.cpp keeps V transposed: each layer's V is announced by its
+    element size and width, not a row size; the total size is the same."""
+    import struct
+
+    from ktlong.bench import llamastate
+
+    n, layers, dim = 5, 2, 64
+    b = llamastate.seq_state(n, layers, dim, 1, v_trans=True).tobytes()
+    assert len(b) == llamastate.state_size(n, layers, dim, 1)
+    off = 16 + 12 * n
+    assert struct.unpack_from("<II", b, off) == (1, layers)
+    off += 8 + layers * (12 + n * 2 * dim)  # past the keys
+    for _ in range(layers):
+        assert struct.unpack_from("<iII", b, off) == (1, 2, dim)
+        off += 12 + n * 2 * dim
+    assert off == len(b)
+    with pytest.raises(ValueError, match="F16 only"):
+        llamastate.seq_state(n, layers, dim, 8, v_trans=True)

@@ -303,7 +303,8 @@ def test_each_profile_resolves_and_explains_itself(name: str) -> None:
     for key, value in data.items():
         assert getattr(r.settings, key) == config.coerce(key, value, name)
         assert r.sources[key] == f"profile:{name}"
-        if name not in ("default", "squeeze"):  # a profile holds only the keys it changes
+        if name not in ("default", "squeeze", "minference"):  # these repeat default's keys; the
+            # others hold only the keys they change
             assert config.coerce(key, value, name) != FIELDS[key].default, (name, key)
 
 
@@ -324,6 +325,8 @@ def test_profiles_reproduce_their_methods() -> None:
     assert (d.block_size, d.local_windows_len, d.second_select_num, d.anchor_type, d.anchor_num,
             d.head_select_mode, d.token_step, d.layer_step, d.preselect_block) == (
         128, 4096, 96, "MAX", 1, "SHARED", 1, 1, False)
+    m = get("minference")  # the default's decode, MInference's prefill
+    assert m.prefill == "MINFERENCE" and dataclasses.replace(m, prefill=d.prefill) == d
     kt = get("ktransformers")  # KTransformers' own defaults: the default's layout, DYNAMIC anchors
     assert (kt.block_size, kt.second_select_num, kt.anchor_type, kt.anchor_num) == (
         128, 96, "DYNAMIC", 1)

@@ -5,7 +5,11 @@ tokens and 32 layers that is 38 GB of Q4_0, which the disk tier writes to its fi
 built from them by the same kernel a prefill uses, and the model then decodes over that store
 with each profile: a 32-token question is prefilled after the context (its votes, for a profile
 with question_blocks, are timed as `question_s`), then `steps` tokens, `runs` times from the same
-point.
+point. Decode speed counts the one-token forwards between the first sampled token and the last.
+With `peers`, llama.cpp (llama-cpp-python) decodes over the same file and context the same way:
+its KV cache is a synthetic state of random rows (ktlong.bench.llamastate) loaded with
+`llama_state_seq_set_data`, in F16 or Q8_0, with flash attention on or off (llama.cpp reads every
+token each step, so the values do not change its speed).
 Weights are the random GGUF of `ktlong bench e2e --shape` (ktlong.bench.genmodel). Each KV type
 runs in a fresh process, so its memory figures are its own: RssAnon (anonymous memory: what the
 file mappings, weights and a disk-tier KV, leave out) and RssFile after the decode, and the bytes
@@ -16,6 +20,7 @@ they can be, so the disk tier's page cache helps little.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +28,8 @@ from typing import Any
 
 FILL_TOKENS = 16384  # tokens per layer filled at a time
 QUESTION = 32  # tokens of the question prefilled before each decode run
+PEERS = ("llamacpp-fa", "llamacpp-q8kv", "llamacpp-nofa")  # llama.cpp: flash attention with
+# F16 or Q8_0 KV, or without it (F16 KV)
 
 
 def _proc_kb(key: str) -> int:
@@ -92,8 +99,9 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
         stamps = [work_clock()]
         for _step in session.generate(Sampling(max_new_tokens=steps)):
             stamps.append(work_clock())
-        windows.append([len(stamps) - 1, stamps[-1] - stamps[0]])
-        decoded += len(stamps)
+        # a step feeds its token through the model before it is yielded, but the last one
+        windows.append([len(stamps) - 2, stamps[-1] - stamps[0]])
+        decoded += len(stamps) - 2
     rates = sorted(n / s for n, s in windows)
     return {"profile": profile, "kv_type": kv_type, "kv_tier": tier, "context": context,
             "layers": lm.spec.n_layers, "question_s": sorted(question_s)[len(question_s) // 2],
@@ -105,9 +113,63 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
             "threads": session.threads}
 
 
+def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: int,
+                    threads: int) -> dict[str, Any]:
+    """llama.cpp's decode over a synthetic KV of `context` tokens, measured as `worker` does."""
+    import ctypes
+
+    import llama_cpp
+
+    from ktlong.bench.e2e import LLAMACPP_KV
+    from ktlong.bench.llamastate import seq_state
+    from ktlong.model import read_spec
+
+    flash, ggml_type = LLAMACPP_KV[runtime]
+    spec = read_spec(model)
+    threads = threads or os.cpu_count() or 1
+    llm = llama_cpp.Llama(
+        model_path=model, n_ctx=context + QUESTION + steps + 64, n_batch=512,
+        n_threads=threads, n_threads_batch=threads, flash_attn=flash,
+        type_k=ggml_type, type_v=ggml_type, n_gpu_layers=0, verbose=False)
+    t0 = time.perf_counter()
+    state = seq_state(context, spec.n_layers, spec.n_kv_heads * spec.head_dim, ggml_type,
+                      v_trans=not flash)
+    ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    if llama_cpp.llama_state_seq_set_data(llm.ctx, ptr, state.size, 0) != state.size:
+        raise RuntimeError("llama.cpp refused the synthetic KV state (its layout changed?)")
+    kv_bytes = state.size - 16 - 12 * context
+    del state, ptr
+    fill_s = time.perf_counter() - t0
+    prefix = [1] * context  # what llama-cpp-python believes its cache holds: a prefix match
+    llm.input_ids[:context] = prefix
+    llm.n_tokens = context
+    question = list(range(2, QUESTION + 2))
+    windows, question_s, io0, decoded = [], [], _read_bytes(), 0
+    for _ in range(runs):
+        stamps, t0 = [], time.perf_counter()
+        llm.input_ids[context:context + QUESTION] = 0  # no match past the context: re-read it
+        for _tok in llm.generate(prefix + question, top_k=1, top_p=1.0, temp=0.0,
+                                repeat_penalty=1.0, reset=True):
+            stamps.append(time.perf_counter())  # sampled; its forward comes with the next one
+            if len(stamps) == steps:
+                break
+        question_s.append(stamps[0] - t0)
+        windows.append([len(stamps) - 1, stamps[-1] - stamps[0]])
+        decoded += len(stamps) - 1
+    rates = sorted(n / s for n, s in windows)
+    return {"profile": runtime, "kv_type": "Q8_0" if ggml_type == 8 else "F16",
+            "kv_tier": "ram", "context": context, "layers": spec.n_layers,
+            "question_s": sorted(question_s)[len(question_s) // 2], "pinned": 0,
+            "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "fill_s": fill_s,
+            "anchors_s": 0.0, "kv_bytes": kv_bytes,
+            "disk_read_per_token": (_read_bytes() - io0) / max(decoded, 1),
+            "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6,
+            "threads": threads}
+
+
 def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: int,
         threads: int, gen: tuple[str, int, str], cache_dir: str, log: Any,
-        profiles: tuple[str, ...] = ("default",)) -> dict[str, Any]:
+        profiles: tuple[str, ...] = ("default",), peers: tuple[str, ...] = ()) -> dict[str, Any]:
     from ktlong.bench import genmodel
     from ktlong.bench import plot as plotting
     from ktlong.config import ktlong_home
@@ -119,8 +181,11 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
         for profile in profiles:
             for kv_type in kv_types:  # one fresh process each: its memory figures are its own
                 log(f"{profile}: {kv_type} KV, {tier} tier, {n:,} tokens ...")
-                rows.append(_spawn([str(path), kv_type, tier, n, steps, runs, threads,
-                                    cache_dir, profile]))
+                rows.append(_spawn(f"{profile} {kv_type}", [
+                    str(path), kv_type, tier, n, steps, runs, threads, cache_dir, profile]))
+        for peer in peers:
+            log(f"{peer}: {n:,} tokens of synthetic KV ...")
+            rows.append(_spawn(peer, ["llamacpp", str(path), peer, n, steps, runs, threads]))
     for r in rows:  # speed over the first row's at the same context
         base = next(b for b in rows if b["context"] == r["context"])
         r["vs_first_type"] = r["tok_s"] / base["tok_s"]
@@ -130,13 +195,13 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
             "runs": runs, "rows": rows}
 
 
-def _spawn(args: list[Any]) -> dict[str, Any]:
+def _spawn(name: str, args: list[Any]) -> dict[str, Any]:
     """One worker in a fresh process (its memory figures are its own): its JSON row."""
     proc = subprocess.run([sys.executable, "-m", "ktlong.bench.decodemodel", json.dumps(args)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"the {args[-1]} {args[1]} worker failed: {tail}")
+        raise RuntimeError(f"the {name} worker failed: {tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -159,6 +224,12 @@ def print_table(data: dict[str, Any]) -> None:
                       f"{r['rss_file_gb']:.2f}", f"{r['fill_s']:.0f}", f"{r['anchors_s']:.0f}")
     console = Console()
     console.print(table)
+    for peer in (r for r in data["rows"] if r["profile"] in PEERS):
+        for r in data["rows"]:
+            if r["context"] == peer["context"] and r["profile"] not in PEERS:
+                console.print(f"{r['context']:,} tokens: ktlong {r['profile']} ({r['kv_type']} "
+                              f"KV) decodes at {r['tok_s'] / peer['tok_s']:.2f}x "
+                              f"{peer['profile']} ({peer['kv_type']} KV)")
     console.print("x first: tok/s over the first row's at that context; question s: the "
                   f"{QUESTION}-token question's prefill (and its votes); disk MB/tok: bytes "
                   "read from the disk per decoded token; anon / file GB: RssAnon / RssFile "
@@ -167,4 +238,5 @@ def print_table(data: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(worker(*json.loads(sys.argv[1]))))
+    _args = json.loads(sys.argv[1])
+    print(json.dumps(llamacpp_worker(*_args[1:]) if _args[0] == "llamacpp" else worker(*_args)))

@@ -15,8 +15,8 @@ runtime has run once on a tiny model of the same dtypes (TINY_SHAPE), so code, c
 and thread pools are the baseline's, for every runtime alike.
 
 Timing, the same for every runtime: prefill is the time to the first sampled token (one forward of
-the prompt); decode is the time from that token to the last, i.e. `new_tokens - 1` one-token
-forwards plus sampling, greedy, with EOS treated as an ordinary token (nobody stops early).
+the prompt); decode speed is the one-token forwards (and greedy sampling) between that token and
+the last over the time between them, with EOS treated as an ordinary token (nobody stops early).
 Decode is run `decode_runs` times from the same prompt (the prompt's last token re-fed over the
 kept KV of the rest, the same for every runtime) and the median is reported: one window of a
 second or two moves by a third on a shared machine, and a long prefill cannot be repeated cheaply.
@@ -62,9 +62,11 @@ def _llamacpp_available() -> bool:
 
 
 # --- workers (one runtime, one context, in a fresh process) -----------------------------------
-def _window(stamps: list[float]) -> list[float]:
-    """[tokens, seconds] of one decode run: from its first sampled token to its last."""
-    return [len(stamps) - 1, stamps[-1] - stamps[0]]
+def _window(stamps: list[float], last_fed: bool = True) -> list[float]:
+    """[forwards, seconds] of one decode run, from its first sampled token to its last: a
+    llama.cpp or transformers token is fed through the model on the way to the next one; ktlong
+    feeds each token before yielding it, but not the last (`last_fed` False)."""
+    return [len(stamps) - (1 if last_fed else 2), stamps[-1] - stamps[0]]
 
 
 def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int,
@@ -96,7 +98,7 @@ def _run_ktlong(profile: str, model: str, ids: list[int], new: int, threads: int
             stamps.append(work_clock())
             out.append(step.token_id)
             share = step.stats.attended_share
-        windows.append(_window(stamps))
+        windows.append(_window(stamps, last_fed=False))
         if r == 0:
             first = (stamps[0], out, session.store.nbytes_used())
     return dict(
@@ -200,7 +202,7 @@ def _warm(runtime: str, tiny: str, ids: list[int], threads: int, kv_type: str = 
         st = resolve_settings(  # a budget smaller than the prompt: the sparse kernels run too
             runtime.split("-", 1)[1], {"max_seq_len": WARM_TOKENS + 16, "threads_num": threads,
                                        "block_size": 16, "init_len": 16, "local_windows_len": 64,
-                                       "second_select_num": 4, "kv_type": kv_type,
+                                       "second_select_num": 12, "kv_type": kv_type,
                                        "kv_tier": kv_tier.upper()}, config_file=False,
         ).settings
         session = Session(lm, st)
