@@ -166,6 +166,17 @@ def test_bench_decode_unknown_kv_type_is_one_line():
     assert r.output.count("\n") == 1 and "Q5_0" in r.output and "Q4_0" in r.output
 
 
+def test_bench_decode_unknown_peer_is_one_line():
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "decode", "--shape", "8b", "--contexts", "1000",
+                                 "--peers", "llamacpp-fa,ollama"])
+    assert r.exit_code == 2
+    assert r.output.count("\n") <= 2 and "ollama" in r.output and "llamacpp-nofa" in r.output
+
+
 def test_decodemodel_worker_q4_0_on_disk(tmp_path):
     """The --shape worker, tiny: a head_dim-32 model (Q4_0 needs d % 32 == 0) decodes over a
     synthetic Q4_0 KV of ~600 tokens in the disk tier; the tier's file is gone afterwards."""

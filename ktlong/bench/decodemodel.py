@@ -13,7 +13,8 @@ token each step, so the values do not change its speed).
 Weights are the random GGUF of `ktlong bench e2e --shape` (ktlong.bench.genmodel). Each KV type
 runs in a fresh process, so its memory figures are its own: RssAnon (anonymous memory: what the
 file mappings, weights and a disk-tier KV, leave out) and RssFile after the decode, and the bytes
-the process read from the disk per decoded token (/proc/self/io read_bytes: page-cache misses).
+the process read from the disk per decoded token while decoding (/proc/self/io read_bytes:
+page-cache misses; the question's reads are left out).
 The random values make attention nearly uniform: the blocks chosen each step are as scattered as
 they can be, so the disk tier's page cache helps little.
 """
@@ -88,17 +89,17 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
     t0 = time.perf_counter()
     session.policy.complete_anchors()
     anchors_s = time.perf_counter() - t0
-    windows, io0, question_s = [], _read_bytes(), []
-    decoded = 0
+    windows, question_s, read, decoded = [], [], 0, 0
     for _ in range(runs):
         session.truncate(context)
         t0 = work_clock()
         session.prefill(list(range(1, QUESTION + 1)))  # the question, over the synthetic context
         question_s.append(work_clock() - t0)
         pinned = int(session.policy.pinned().size)
-        stamps = [work_clock()]
+        io0, stamps = _read_bytes(), [work_clock()]
         for _step in session.generate(Sampling(max_new_tokens=steps)):
             stamps.append(work_clock())
+        read += _read_bytes() - io0  # the decode's reads, not the question's
         # a step feeds its token through the model before it is yielded, but the last one
         windows.append([len(stamps) - 2, stamps[-1] - stamps[0]])
         decoded += len(stamps) - 2
@@ -108,7 +109,7 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
             "pinned": pinned,
             "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "fill_s": fill_s,
             "anchors_s": anchors_s, "kv_bytes": store.nbytes_used(),
-            "disk_read_per_token": (_read_bytes() - io0) / max(decoded, 1),
+            "disk_read_per_token": read / max(decoded, 1),
             "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6,
             "threads": session.threads}
 
@@ -144,15 +145,18 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
     llm.input_ids[:context] = prefix
     llm.n_tokens = context
     question = list(range(2, QUESTION + 2))
-    windows, question_s, io0, decoded = [], [], _read_bytes(), 0
+    windows, question_s, read, decoded = [], [], 0, 0
     for _ in range(runs):
         stamps, t0 = [], time.perf_counter()
         llm.input_ids[context:context + QUESTION] = 0  # no match past the context: re-read it
         for _tok in llm.generate(prefix + question, top_k=1, top_p=1.0, temp=0.0,
                                 repeat_penalty=1.0, reset=True):
             stamps.append(time.perf_counter())  # sampled; its forward comes with the next one
+            if len(stamps) == 1:
+                io0 = _read_bytes()
             if len(stamps) == steps:
                 break
+        read += _read_bytes() - io0
         question_s.append(stamps[0] - t0)
         windows.append([len(stamps) - 1, stamps[-1] - stamps[0]])
         decoded += len(stamps) - 1
@@ -162,7 +166,7 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
             "question_s": sorted(question_s)[len(question_s) // 2], "pinned": 0,
             "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "fill_s": fill_s,
             "anchors_s": 0.0, "kv_bytes": kv_bytes,
-            "disk_read_per_token": (_read_bytes() - io0) / max(decoded, 1),
+            "disk_read_per_token": read / max(decoded, 1),
             "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6,
             "threads": threads}
 
