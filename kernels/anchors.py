@@ -272,7 +272,7 @@ SERIAL_BYTES = 2 << 20
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH, inline="always")
-def _dot4(sj, a, an, r0, r1, r2, r3, d, a0, a1, a2, a3):
+def dot4(sj, a, an, r0, r1, r2, r3, d, a0, a1, a2, a3):
     """a0..a3 plus the lanes of sj[a] . (row at r0..r3), over the d channels (packed order)."""
     for gi in range(sj.shape[1] // (2 * W)):
         qe, qo = vload(sj, a, 2 * W * gi), vload(sj, a, 2 * W * gi + W)
@@ -311,13 +311,13 @@ def _score_range(qs, an, q8, candidates, i0, i1, j, out):
             r2, r3 = row_addr(an, j, b2, a), row_addr(an, j, b3, a)
             if q8:  # each anchor's dot times its own scale
                 z = vzero()
-                t0, t1, t2, t3 = _dot4(sj, a, an, r0, r1, r2, r3, d, z, z, z, z)
+                t0, t1, t2, t3 = dot4(sj, a, an, r0, r1, r2, r3, d, z, z, z, z)
                 a0 = vfma(vsplat(load_f32(r0 + d)), t0, a0)
                 a1 = vfma(vsplat(load_f32(r1 + d)), t1, a1)
                 a2 = vfma(vsplat(load_f32(r2 + d)), t2, a2)
                 a3 = vfma(vsplat(load_f32(r3 + d)), t3, a3)
             else:
-                a0, a1, a2, a3 = _dot4(sj, a, an, r0, r1, r2, r3, d, a0, a1, a2, a3)
+                a0, a1, a2, a3 = dot4(sj, a, an, r0, r1, r2, r3, d, a0, a1, a2, a3)
         if i + 4 <= i1:
             vsum4(out, j, i, a0, a1, a2, a3)
         else:  # the last 1-3 candidates (the rest repeat the last one)

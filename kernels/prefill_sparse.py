@@ -39,6 +39,7 @@ from ._vec import (
     vsum4,
     vzero,
 )
+from .anchors import dot4
 from .attention import CH, LayerKV, qk_tiles
 from .kvquant import kv_dim, row_to_f32
 from .prefill_index import QB, PrefillIndex, n_qblocks
@@ -221,7 +222,6 @@ def _lone_qk(qp, nq, qpos0, tag, kb, kt, rb, split, diags, t0, t1, t_end, seen, 
     t, -inf where the pair is void. K rows at kb / kt (`_key_addr`), tag's storage type; a
     row's four keys lie on four streams of consecutive rows."""
     d = kv_dim(tag)
-    ng = qp.shape[1] // (2 * W)
     for t in range(t0, t1, 4):
         c = c0 + t - t0
         for i in range(nq):
@@ -232,17 +232,8 @@ def _lone_qk(qp, nq, qpos0, tag, kb, kt, rb, split, diags, t0, t1, t_end, seen, 
             y3, ok3 = _lone(qpos, diags, t + 3, t_end, seen)
             k0, k1 = _key_addr(y0, split, rb, kb, kt), _key_addr(y1, split, rb, kb, kt)
             k2, k3 = _key_addr(y2, split, rb, kb, kt), _key_addr(y3, split, rb, kb, kt)
-            a0 = a1 = a2 = a3 = vzero()
-            for gi in range(ng):
-                qe, qo = vload(qp, i, gi * 2 * W), vload(qp, i, gi * 2 * W + W)
-                e, o = vload2(tag, k0, d, gi)
-                a0 = vfma(qe, e, vfma(qo, o, a0))
-                e, o = vload2(tag, k1, d, gi)
-                a1 = vfma(qe, e, vfma(qo, o, a1))
-                e, o = vload2(tag, k2, d, gi)
-                a2 = vfma(qe, e, vfma(qo, o, a2))
-                e, o = vload2(tag, k3, d, gi)
-                a3 = vfma(qe, e, vfma(qo, o, a3))
+            z = vzero()
+            a0, a1, a2, a3 = dot4(qp, i, tag, k0, k1, k2, k3, d, z, z, z, z)
             vsum4(sl, i, c, a0, a1, a2, a3)
             if not ok0:
                 sl[i, c] = NEG_INF

@@ -122,7 +122,7 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
     import llama_cpp
 
     from ktlong.bench.e2e import LLAMACPP_KV
-    from ktlong.bench.llamastate import seq_state
+    from ktlong.bench.llamastate import row_bytes, seq_state
     from ktlong.model import read_spec
 
     flash, ggml_type = LLAMACPP_KV[runtime]
@@ -138,7 +138,7 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
     ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     if llama_cpp.llama_state_seq_set_data(llm.ctx, ptr, state.size, 0) != state.size:
         raise RuntimeError("llama.cpp refused the synthetic KV state (its layout changed?)")
-    kv_bytes = state.size - 16 - 12 * context
+    kv_bytes = 2 * spec.n_layers * context * row_bytes(ggml_type, spec.n_kv_heads * spec.head_dim)
     del state, ptr
     fill_s = time.perf_counter() - t0
     prefix = [1] * context  # what llama-cpp-python believes its cache holds: a prefix match
