@@ -115,9 +115,9 @@ class Settings:
                                "together or each its own", choices=("SHARED", "SEPARATE"))
     dense_layer_num: int = _f("int", 0, "sparse attention", "First layers that read every "
                               "token", 0)
-    question_blocks: int = _f("int", 0, "sparse attention", "Blocks the question's last queries "
+    question_blocks: int = _f("int", 8, "sparse attention", "Blocks the question's last queries "
                               "attend to most, read by every layer at every step of the answer; "
-                              "taken from second_select_num", 0)
+                              "taken from second_select_num (at most all of it)", 0)
     question_window: int = _f("int", 16, "sparse attention", "question_blocks: last prompt "
                               "queries that vote", 1)
     question_layers: int = _f("int", 4, "sparse attention", "question_blocks: layers that vote, "
@@ -180,6 +180,9 @@ class Settings:
         for name in FIELDS:
             values[name] = coerce(name, getattr(self, name), "Settings")
             object.__setattr__(self, name, values[name])
+        # the question's blocks are taken from the budget: a smaller budget is theirs whole
+        values["question_blocks"] = min(values["question_blocks"], values["second_select_num"])
+        object.__setattr__(self, "question_blocks", values["question_blocks"])
         check(values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,11 +271,6 @@ def check(v: dict[str, Any], sources: dict[str, str] | None = None) -> None:
         raise KtlongError("preselect_block is on but preselect_block_count is 0"
                           + at("preselect_block", "preselect_block_count"),
                           hint="set preselect_block_count above 0 (e.g. 96)")
-    if v["question_blocks"] > v["second_select_num"]:
-        raise KtlongError(f"question_blocks ({v['question_blocks']}) exceeds second_select_num "
-                          f"({v['second_select_num']}), the budget it is taken from"
-                          + at("question_blocks", "second_select_num"),
-                          hint="lower question_blocks or raise second_select_num")
     if v["preselect_pool"] % 2 == 0:
         raise KtlongError(f"preselect_pool must be odd, got {v['preselect_pool']}"
                           + at("preselect_pool"), hint="use 1 (no pooling), 3, 5, 7, ...")

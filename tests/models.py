@@ -39,6 +39,7 @@ def settings(**kw: object) -> Settings:
         max_seq_len=8192,
         threads_num=2,
         preselect_block_count=16,
+        question_blocks=0,  # tests that pin set it
     )
     base.update(kw)
     return dataclasses.replace(Settings(), **base)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ INTERNALS_DEFAULTS = dict(
     attention="SPARSE",
     block_size=128, init_len=128, local_windows_len=4096, second_select_num=96,
     anchor_type="MAX", anchor_num=1, head_select_mode="SHARED", dense_layer_num=0,
-    question_blocks=0, question_window=16, question_layers=4, question_positions="NEAR",
+    question_blocks=8, question_window=16, question_layers=4, question_positions="NEAR",
     select_neighbours=False, token_step=1, layer_step=1, layer_budget="UNIFORM", squeeze_ratio=0.5,
     preselect_block=False, preselect_block_count=96,
     preselect_window=64, preselect_pool=7, gpu_local_window=True, prefill="WINDOW",
@@ -306,6 +306,21 @@ def test_each_profile_resolves_and_explains_itself(name: str) -> None:
         if name not in ("default", "squeeze", "minference"):  # these repeat default's keys; the
             # others hold only the keys they change
             assert config.coerce(key, value, name) != FIELDS[key].default, (name, key)
+
+
+def test_the_default_profile_is_the_built_in_defaults() -> None:
+    """`ktlong chat` with no --profile gets what the `default` profile documents."""
+    text = resources.files("ktlong.profiles").joinpath("default.yaml").read_text()
+    for key, value in yaml.safe_load(text).items():
+        assert config.coerce(key, value, "default") == FIELDS[key].default, key
+    assert Settings().question_blocks == 8
+
+
+def test_a_budget_below_question_blocks_is_theirs_whole() -> None:
+    r = resolve_settings(None, {"second_select_num": 4}, config_file=False)
+    assert r.settings.question_blocks == 4
+    assert resolve_settings("streamingllm", config_file=False).settings.question_blocks == 0
+    assert Settings(second_select_num=6, question_blocks=9).question_blocks == 6
 
 
 def test_profiles_reproduce_their_methods() -> None:

@@ -114,9 +114,13 @@ def test_pins_and_neighbours_decode_and_count_their_reads():
     assert steps[-1].stats.attended_share == pytest.approx((1 + 8 + nb - local0) / nb, abs=0.02)
 
 
-def test_question_blocks_beyond_the_budget_is_refused():
-    with pytest.raises(KtlongError, match="question_blocks"):
-        settings(question_blocks=9, second_select_num=8)
+def test_question_blocks_beyond_the_budget_take_the_whole_budget():
+    s = _session(anchor_type="MEAN", question_blocks=12, second_select_num=8)
+    assert s.settings.question_blocks == 8
+    steps = list(s.generate(Sampling(max_new_tokens=2)))
+    n = len(s.tokens) - 1
+    nb, local0 = -(-n // BS), (n - LOCAL) // BS
+    assert steps[-1].stats.attended_share == pytest.approx((1 + 8 + nb - local0) / nb, abs=0.02)
 
 
 def _rope(x, pos, inv):
