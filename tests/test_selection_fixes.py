@@ -7,10 +7,8 @@ import pytest
 
 from ktlong import kernels
 from ktlong.engine import Sampling
-from ktlong.errors import KtlongError
 from ktlong.selection import rope_shift, with_neighbours
 
-from .models import settings
 from .test_selection import _q, _session
 
 BS, LOCAL = 16, 64  # the test settings' block_size and local window
