@@ -94,12 +94,15 @@ try:
     )
     from .attention import (  # noqa: E402
         LayerKV,
+        Turns,
         attend_blocks,
         attend_blocks_ref,
         attend_layer,
         layer_kv,
         merge_partials,
         merge_partials_ref,
+        rope_turns,
+        turned_ref,
     )
     from .gemv import gemv, gemv_ref  # noqa: E402
     from .qlinear import dequant, dequant_rows, qgemv, qgemv_ref  # noqa: E402
@@ -114,12 +117,12 @@ from .threads import auto_threads, configure_threads  # noqa: E402
 KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
-    "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "anchor_view", "anchors_to_f64",
+    "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "Turns", "anchor_view", "anchors_to_f64",
     "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "cache_dir",
     "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
     "dequant_rows", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "merge_partials",
     "merge_partials_ref", "prefill_index", "prefill_sparse", "q8_encode", "qgemv", "qgemv_ref",
-    "query_votes",
-    "query_votes_ref", "score_blocks", "score_blocks_ref", "select_attend", "select_attend_layer",
-    "select_attend_ref", "select_blocks", "source_hash", "topk_blocks", "topk_blocks_ref",
+    "query_votes", "query_votes_ref", "rope_turns", "turned_ref", "score_blocks",
+    "score_blocks_ref", "select_attend", "select_attend_layer", "select_attend_ref",
+    "select_blocks", "source_hash", "topk_blocks", "topk_blocks_ref",
 ]

@@ -5,6 +5,10 @@ its blocks in chunks of CH rows: scores for 4 query heads x 4 rows per register 
 is read once from memory for the whole GQA group), an online softmax per chunk, then p @ V in the
 same tiles. Scores are in log2 units (q is pre-scaled by scale * log2(e)) for the exp2 polynomial.
 Queries and outputs use the packed channel order of `packed_channels` (see _vec.py).
+
+With shifts (one per block, in blocks), a block is read as if it sat that many blocks later: its
+chunks use the query turned back by the shift (RoPE: q.R(p + t)k = (R(-t)q).R(p)k), from a table
+of turns (`Turns`). A chunk holds rows of one shift only.
 """
 from __future__ import annotations
 
@@ -217,14 +221,17 @@ def _chunk(qp, tag, ra, rv, nt, d, s, acc, m, den, ra_next, rv_next, n_next):
 
 
 @njit(nogil=True, cache=True)
-def _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t, ra, rv):
-    """Addresses of the next (up to CH) K/V rows from token t of block ids[i].
+def _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, sh, n_tokens, i, t, ra, rv):
+    """Addresses of the next (up to CH) K/V rows from token t of block ids[i]; with shifts sh
+    (one per id; empty: none) the chunk ends where the shift changes.
 
     Returns (rows filled, next i, next t).
     """
     bs = k_tail.shape[2]
     nt = 0
     while nt < CH and i < ids.shape[0]:
+        if sh.shape[0] > 0 and nt > 0 and sh[i] != sh[i - 1]:
+            break
         b = ids[i]
         end = min(bs, n_tokens - b * bs)
         take = min(CH - nt, end - t)
@@ -242,42 +249,75 @@ def _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t, ra, r
     return nt, i, t
 
 
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
+def turn_rows(qp, tab, pair, out):
+    """out [R, P] = packed queries qp [R, P] turned by one row of a `Turns` table, tab [2, P]
+    (cos, signed sin per packed channel); pair [P]: each channel's rotate-half partner, or [1]
+    holding h when that is p + h for p < h and p - h for h <= p < 2h (no gather)."""
+    c, s = tab[0], tab[1]
+    if pair.shape[0] == 1:
+        h = pair[0]
+        for r in range(qp.shape[0]):
+            for p in range(h):
+                out[r, p] = qp[r, p] * c[p] + qp[r, p + h] * s[p]
+            for p in range(h, 2 * h):
+                out[r, p] = qp[r, p] * c[p] + qp[r, p - h] * s[p]
+            for p in range(2 * h, qp.shape[1]):
+                out[r, p] = qp[r, p]
+        return
+    for r in range(qp.shape[0]):
+        for p in range(qp.shape[1]):
+            out[r, p] = qp[r, p] * c[p] + qp[r, pair[p]] * s[p]
+
+
 @njit(nogil=True, cache=True)
-def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, n_tokens, j, acc_out, m_out,
-          den_out):
-    """Attend packed queries qp [R, P] of KV head j over blocks `ids`, chunk by chunk; the rows
-    of the next chunk are touched (a load per page) and prefetched while the current one is
-    computed. The softmax state is the item's own until the end: the items' slots of the
-    shared arrays share cache lines, which two threads writing every chunk would pass back and
-    forth between their cores."""
+def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, sh, n_tokens, j, acc_out, m_out,
+          den_out, tab, rot):
+    """Attend packed queries qp [R, P] of KV head j over blocks `ids` (with shifts sh [n], or
+    none), chunk by chunk; the rows of the next chunk are touched (a load per page) and
+    prefetched while the current one is computed. The softmax state is the item's own until the
+    end: the items' slots of the shared arrays share cache lines, which two threads writing
+    every chunk would pass back and forth between their cores."""
     acc, m, den = softmax_state(1, qp.shape[0], qp.shape[1])  # [1, R, P], [1, R], [1, R]
     acc, m, den = acc[0], m[0], den[0]
     ra = np.empty((2, CH), np.intp)  # K row addresses, two chunks
     rv = np.empty((2, CH), np.intp)  # V row addresses
     s = np.empty((qp.shape[0], CH), F32)  # [R, CH]
+    qt = np.empty_like(qp)  # [R, P] the query turned by `turned` blocks
+    turned, mid = 0, tab.shape[0] // 2
     step = max(1, PAGE // (k_tail.shape[3] * k_tail.itemsize))  # rows per page
-    nt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, 0, 0, ra[0], rv[0])
+    first = 0  # the current chunk's first id
+    nt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, sh, n_tokens, 0, 0, ra[0],
+                     rv[0])
     cur = 0
     while nt > 0:
-        nxt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, n_tokens, i, t,
+        nfirst = i
+        nxt, i, t = _fill(k_base, v_base, k_tail, v_tail, nb_base, j, ids, sh, n_tokens, i, t,
                           ra[1 - cur], rv[1 - cur])
         # start the next chunk's page walks now, ahead of its prefetches (ad hoc A/Bs: 4-14%
         # faster over blocks picked from a 1M context)
         for r in range(0, nxt, step):
             touch(ra[1 - cur, r])
             touch(rv[1 - cur, r])
-        _chunk(qp, k_tail, ra[cur], rv[cur], nt, kv_dim(k_tail), s, acc, m, den, ra[1 - cur],
+        q = qp
+        if sh.shape[0] > 0 and sh[first] != 0:
+            if sh[first] != turned:
+                turn_rows(qp, tab[mid + sh[first]], rot, qt)
+                turned = sh[first]
+            q = qt
+        _chunk(q, k_tail, ra[cur], rv[cur], nt, kv_dim(k_tail), s, acc, m, den, ra[1 - cur],
                rv[1 - cur], nxt)
-        nt, cur = nxt, 1 - cur
+        nt, cur, first = nxt, 1 - cur, nfirst
     acc_out[:, :] = acc
     m_out[:] = m
     den_out[:] = den
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_blocks, n_tokens, n_split,
-            scale, perm):
-    # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, row bytes]; blocks [S, n] int32; perm [P] (packing)
+def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, shifts, n_blocks, n_tokens,
+            n_split, scale, perm, tab, rot):
+    # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, row bytes]; blocks [S, n] int32; shifts [S, n] or
+    # [S, 0] int32; perm [P] (packing); tab, rot: a `Turns`
     if not ids_in_range(blocks, n_blocks):
         raise ValueError("block id out of range")
     hkv = k_tail.shape[0]
@@ -289,16 +329,18 @@ def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, n_blocks, 
     for item in prange(n_items):
         j, part = item // n_split, item % n_split
         row = 0 if blocks.shape[0] == 1 else j
-        ids = blocks[row, part * n // n_split:(part + 1) * n // n_split]
-        attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, ids, n_tokens, j,
-                    acc[item], mx[item], den[item])
+        a, b = part * n // n_split, (part + 1) * n // n_split
+        sh = shifts[row, a:b] if shifts.shape[1] else shifts[row]
+        attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, blocks[row, a:b], sh,
+                    n_tokens, j, acc[item], mx[item], den[item], tab, rot)
     return merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
 
 
 @njit(nogil=True, cache=True)
-def attend_item(qp, k_base, v_base, k_tail, v_tail, kind, nb_base, ids, n_tokens, j, acc, m, den):
+def attend_item(qp, k_base, v_base, k_tail, v_tail, kind, nb_base, ids, sh, n_tokens, j, acc, m,
+                den, tab, rot):
     """`_item` over K/V bytes viewed back as the storage dtype of `kind`."""
-    args = (nb_base, ids, n_tokens, j, acc, m, den)
+    args = (nb_base, ids, sh, n_tokens, j, acc, m, den, tab, rot)
     if kind == 1:
         _item(qp, k_base.view(np.uint16), v_base.view(np.uint16), k_tail.view(np.uint16),
               v_tail.view(np.uint16), *args)
@@ -439,15 +481,79 @@ def attend_blocks(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, 
                         n_tokens, scale)
 
 
-def attend_layer(kv: LayerKV, q, blocks, n_tokens, scale):
-    """`attend_blocks` over a layer's prepared views."""
+def attend_layer(kv: LayerKV, q, blocks, n_tokens, scale, shifts=None, turns: Turns | None = None):
+    """`attend_blocks` over a layer's prepared views; with `shifts` [S, n] int32 (blocks, one per
+    entry of `blocks`) and their `turns`, each block read as if it sat that many blocks later."""
     q = kv.query(q)
     blocks = readonly(blocks, np.int32)
     if blocks.ndim != 2 or blocks.shape[0] not in (1, kv.hkv):
         raise ValueError(f"blocks must be [1 or {kv.hkv}, n], got {blocks.shape}")
     n_split = max(1, min(items_per_head(kv.hkv), blocks.shape[1]))
+    sh, turns = checked_shifts(shifts, turns, blocks.shape, kv)
     return _attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, kv.nb_base, blocks,
-                   kv.n_blocks(n_tokens), n_tokens, n_split, F32(scale * LOG2E), kv.perm)
+                   sh, kv.n_blocks(n_tokens), n_tokens, n_split, F32(scale * LOG2E), kv.perm,
+                   turns.tab, turns.rot)
+
+
+class Turns(NamedTuple):
+    """RoPE turns of a query, for reading blocks at other positions than their own.
+
+    tab [2T + 1, 2, P] f32, per packed channel: row T + t holds the cos and the signed sin of the
+    query's turn back by t blocks (t * bs positions: a key read t blocks later); rot [P] int32:
+    each packed channel's rotate-half partner (itself where RoPE leaves the channel), or [1]
+    holding h when every partner sits h packed channels on (see `turn_rows`)."""
+
+    tab: np.ndarray
+    rot: np.ndarray
+
+    @property
+    def reach(self) -> int:
+        """The largest |shift| (blocks) the table holds."""
+        return self.tab.shape[0] // 2
+
+
+def rope_turns(inv_freq: np.ndarray, block_size: int, reach: int, d: int, kv_kind: int) -> Turns:
+    """The turns of shifts -reach..reach blocks for RoPE frequencies inv_freq [h] (HF's
+    rotate-half layout: channel c < h pairs with c + h) over head_dim d, in the packed channel
+    order of kv_kind."""
+    inv = np.asarray(inv_freq, np.float64)
+    h = inv.size
+    perm = channel_perm(d, kv_kind)
+    P = perm.size
+    freq = np.where((perm >= 0) & (perm < 2 * h), perm % h, -1)  # [P]
+    sign = np.where(perm < h, -1.0, 1.0)
+    t = np.arange(-reach, reach + 1, dtype=np.float64)[:, None]
+    ang = -t * block_size * inv[np.maximum(freq, 0)]  # [2T+1, P]
+    tab = np.empty((2 * reach + 1, 2, P), F32)
+    tab[:, 0] = np.where(freq >= 0, np.cos(ang), 1.0)
+    tab[:, 1] = np.where(freq >= 0, sign * np.sin(ang), 0.0)
+    where = np.full(d, -1, np.int64)
+    where[perm[perm >= 0]] = np.flatnonzero(perm >= 0)
+    pair = np.arange(P, dtype=np.int32)
+    turned = freq >= 0
+    pair[turned] = where[np.where(perm < h, perm + h, perm - h)[turned]]
+    half = np.where(np.arange(P) < h, np.arange(P) + h, np.arange(P) - h)
+    if np.array_equal(pair[:2 * h], half[:2 * h]):
+        pair = np.array([h], np.int32)
+    return Turns(tab, pair)
+
+
+_NO_TURNS = Turns(np.zeros((1, 2, 1), F32), np.zeros(1, np.int32))
+
+
+def checked_shifts(shifts, turns: Turns | None, shape: tuple, kv: LayerKV):
+    """shifts as the kernels take them (read-only int32 `shape`, or [S, 0] for none) and the
+    turns to use; ValueError for a shape or a shift the turns do not hold."""
+    if shifts is None:
+        return readonly(np.zeros((shape[0], 0), np.int32), np.int32), _NO_TURNS
+    shifts = readonly(shifts, np.int32)
+    if shifts.shape != tuple(shape):
+        raise ValueError(f"shifts must be shaped as blocks {tuple(shape)}, got {shifts.shape}")
+    if turns is None or turns.tab.shape[2] != kv.perm.size:
+        raise ValueError("shifts need the turns of this layer's channel layout")
+    if shifts.size and int(np.abs(shifts).max()) > turns.reach:
+        raise ValueError(f"a shift beyond the turns' reach of {turns.reach} blocks")
+    return shifts, turns
 
 
 def items_per_head(hkv: int) -> int:
@@ -455,8 +561,10 @@ def items_per_head(hkv: int) -> int:
     return max(1, -(-4 * use_threads() // hkv))
 
 
-def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind):
-    """float64 NumPy reference of `attend_blocks` (returns float64)."""
+def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind,
+                      shifts=None, inv_freq=None):
+    """float64 NumPy reference of `attend_blocks` (returns float64); with shifts [S, n] and RoPE
+    frequencies inv_freq [h], of `attend_layer`'s turned reads."""
     hkv, _, bs, _ = k_tail.shape
     d = q.shape[1]
     g = q.shape[0] // hkv
@@ -466,15 +574,33 @@ def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_toke
     out, lse = np.zeros((q.shape[0], d)), np.full(q.shape[0], -np.inf)
     for h in range(q.shape[0]):
         j = h // g
-        ids = blocks[0 if blocks.shape[0] == 1 else j]
-        tok = (np.asarray(ids, np.int64)[:, None] * bs + np.arange(bs)).ravel()
-        tok = tok[tok < n_tokens]
+        row = 0 if blocks.shape[0] == 1 else j
+        s = []
+        for i, b in enumerate(np.asarray(blocks[row], np.int64)):
+            tok = np.arange(b * bs, min((b + 1) * bs, n_tokens))
+            x = q[h].astype(np.float64)
+            if shifts is not None:
+                x = turned_ref(x, inv_freq, -int(shifts[row, i]) * bs)
+            s.append((tok, scale * (k[j, tok] @ x)))
+        tok = np.concatenate([t for t, _ in s]) if s else np.zeros(0, np.int64)
         if tok.size == 0:
             continue
-        s = scale * (k[j, tok] @ q[h].astype(np.float64))
-        lse[h] = np.logaddexp.reduce(s)
-        out[h] = np.exp(s - lse[h]) @ v[j, tok]
+        sc = np.concatenate([x for _, x in s])
+        lse[h] = np.logaddexp.reduce(sc)
+        out[h] = np.exp(sc - lse[h]) @ v[j, tok]
     return out, lse
+
+
+def turned_ref(x, inv_freq, delta):
+    """A query x [d] (HF rotate-half RoPE over the first 2 * inv_freq.size channels) as if it sat
+    delta positions later: float64."""
+    h = inv_freq.size
+    ang = delta * np.asarray(inv_freq, np.float64)
+    c, s = np.cos(ang), np.sin(ang)
+    x = np.asarray(x, np.float64)
+    out = x.copy()
+    out[:h], out[h:2 * h] = x[:h] * c - x[h:2 * h] * s, x[h:2 * h] * c + x[:h] * s
+    return out
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):

@@ -32,9 +32,11 @@ from .anchors import (
 )
 from .attention import (
     LayerKV,
+    Turns,
     attend_blocks_ref,
     attend_item,
     attend_layer,
+    checked_shifts,
     ids_in_range,
     items_per_head,
     layer_kv,
@@ -54,26 +56,34 @@ def _prologue(q, anchors, quest, perm_a, n, hkv, perm, scale, n_items, rows, k):
     qs, per_head = score_prep(q, hkv, anchors.shape[2], quest, perm_a, n)  # [Hkv, A, P], [Hkv, n]
     qp = pack_rows(q, hkv, perm, scale)  # [Hkv, R, P]
     acc, mx, den = softmax_state(n_items, qp.shape[1], qp.shape[2])
-    return qs, per_head, qp, acc, mx, den, np.empty((rows, k), np.int32), np.zeros(24, np.int64)
+    return (qs, per_head, qp, acc, mx, den, np.empty((rows, k), np.int32),
+            np.empty((rows, k), np.int32), np.zeros(24, np.int64))
 
 
 @njit(nogil=True, cache=True)
-def _choose(per_head, candidates, k, shared, chosen):
-    """The top-k of the per-head scores [Hkv, n] into chosen [S, k]."""
+def _choose(per_head, candidates, k, shared, chosen, base, shifts):
+    """The top-k of the per-head scores [Hkv, n] into chosen [S, k]; with base >= 0, the chosen
+    blocks' shifts [S, k] when the i-th of a row is read as if it were block base + i."""
     chosen[:, :] = top_blocks(per_head, candidates, k, shared)
+    if base >= 0:
+        for r in range(chosen.shape[0]):
+            for i in range(chosen.shape[1]):
+                shifts[r, i] = base + i - chosen[r, i]
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _step(q, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, k_base, v_base, k_tail,
-          v_tail, kind, nb_base, n_blocks, n_tokens, scale, perm, lanes, per, sf, ss):
+def _step(q, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, fixed_sh, base, k_base,
+          v_base, k_tail, v_tail, kind, nb_base, n_blocks, n_tokens, scale, perm, tab, rot, lanes,
+          per, sf, ss):
     # q [Hq, d]; anchors bytes [Hkv, nb_cap, A, row]; candidates [n], fixed [nf] int32;
+    # fixed_sh [nf] or [0] and base (< 0: none): shifts (see select_attend); tab, rot: a Turns;
     # K/V bytes [Hkv, nb, bs, row bytes]; per / sf / ss: parts per head of the scoring, the fixed
     # blocks and the chosen ones -> out [Hq, d], lse [Hq], chosen [S, k]
     if not (ids_in_range(candidates.reshape(1, -1), min(n_blocks, anchors.shape[1]))
             and ids_in_range(fixed.reshape(1, -1), n_blocks)):
         raise ValueError("block id out of range")
     hkv, n, nf, ni = k_tail.shape[0], candidates.shape[0], fixed.shape[0], sf + ss
-    qs, per_head, qp, acc, mx, den, chosen, ctr = _prologue(
+    qs, per_head, qp, acc, mx, den, chosen, csh, ctr = _prologue(
         q, anchors, quest, perm_a, n, hkv, perm, scale, hkv * ni, 1 if shared else hkv, k)
     n_score, n_fixed = hkv * per, hkv * sf
     n_tasks = n_score + n_fixed + hkv * ss
@@ -87,23 +97,27 @@ def _step(q, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, k_base, 
                 score_part(qs, anchors, fmt, candidates, c * n // per, (c + 1) * n // per, j,
                            per_head)
                 if fetch_add(ctr, SCORED, 1) == n_score - 1:  # the last part: choose
-                    _choose(per_head, candidates, k, shared, chosen)
+                    _choose(per_head, candidates, k, shared, chosen, base, csh)
                     fetch_add(ctr, CHOSEN, 1)
                 continue
             t -= n_score
             if t < n_fixed:
                 j, part = t // sf, t % sf
-                ids = fixed[part * nf // sf:(part + 1) * nf // sf]
+                a, b = part * nf // sf, (part + 1) * nf // sf
+                ids = fixed[a:b]
+                sh = fixed_sh[a:b] if fixed_sh.shape[0] else fixed_sh
                 item = j * ni + part
             else:
                 t -= n_fixed
                 j, part = t // ss, t % ss
                 while load_acquire(ctr, CHOSEN) == 0:
                     cpu_relax()
-                ids = chosen[0 if shared else j, part * k // ss:(part + 1) * k // ss]
+                row, a, b = 0 if shared else j, part * k // ss, (part + 1) * k // ss
+                ids = chosen[row, a:b]
+                sh = csh[row, a:b] if base >= 0 else fixed_sh[:0]
                 item = j * ni + sf + part
-            attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, ids, n_tokens, j,
-                        acc[item], mx[item], den[item])
+            attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, ids, sh, n_tokens,
+                        j, acc[item], mx[item], den[item], tab, rot)
     out, lse = merge_items(acc, mx, den, ni, q.shape[0] // hkv, q.shape[1], perm)
     return out, lse, chosen
 
@@ -130,8 +144,12 @@ def select_attend(q, anchors, candidates, k, quest, shared, fixed, k_base, v_bas
 
 
 def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, shared, fixed,
-                        n_tokens, scale):
-    """`select_attend` over a layer's prepared K/V and anchor views."""
+                        n_tokens, scale, fixed_shifts=None, chosen_base=-1,
+                        turns: Turns | None = None):
+    """`select_attend` over a layer's prepared K/V and anchor views. With `fixed_shifts` [nf]
+    int32, `chosen_base` and their `turns`, blocks are read at other positions (see
+    `attend_layer`): fixed block i as if fixed_shifts[i] blocks later, the i-th chosen block of a
+    row as if it were block chosen_base + i."""
     q = kv.query(q)
     fixed = readonly(fixed, np.int32)
     if fixed.ndim != 1:
@@ -140,18 +158,31 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
         raise ValueError(f"anchors must have {kv.hkv} KV heads, got {av.shape}")
     candidates = candidate_ids(candidates, av, quest)
     k = min(k, candidates.size)
+    turned = fixed_shifts is not None
+    fsh, turns = checked_shifts(None if not turned else np.asarray(fixed_shifts)[None], turns,
+                                (1, fixed.size), kv)
+    base = int(chosen_base) if turned else -1
+    if turned and k and max(abs(base - int(candidates.max())),
+                            abs(base + k - 1 - int(candidates.min()))) > turns.reach:
+        raise ValueError(f"a shift beyond the turns' reach of {turns.reach} blocks")
     if k == candidates.size or k == 0:  # nothing to score: every candidate or none
         chosen = unscored_choice(candidates, av, k, shared)
-        out, lse = attend_layer(kv, q, _union(fixed, chosen), n_tokens, scale)
-        return out, lse, chosen
+        if not turned:
+            return (*attend_layer(kv, q, _union(fixed, chosen), n_tokens, scale), chosen)
+        S = chosen.shape[0]
+        blocks = np.concatenate([np.broadcast_to(fixed, (S, fixed.size)), chosen], axis=1)
+        shifts = np.concatenate([np.broadcast_to(fsh, (S, fixed.size)),
+                                 base + np.arange(k, dtype=np.int32) - chosen], axis=1)
+        return (*attend_layer(kv, q, blocks, n_tokens, scale, shifts, turns), chosen)
     # parts per head; the scoring and the chosen blocks' items twice as fine as the fixed ones:
     # the top-k waits for the last scoring part, and the chosen blocks' items end the step
     # (ad hoc A/Bs at 128K-1M on 2 threads: equal parts took 1.00-1.16x the time)
     split = items_per_head(kv.hkv)
     return _step(q, av.raw, av.fmt, candidates, bool(quest), k, bool(shared), av.perm, fixed,
-                 kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, kv.nb_base,
-                 kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm, use_threads(),
-                 min(2 * split, candidates.size), min(split, fixed.size), min(2 * split, k))
+                 fsh[0], base, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind,
+                 kv.nb_base, kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm,
+                 turns.tab, turns.rot, use_threads(), min(2 * split, candidates.size),
+                 min(split, fixed.size), min(2 * split, k))
 
 
 def select_attend_ref(q, anchors, candidates, k, quest, shared, fixed, k_base, v_base, k_tail,

@@ -125,9 +125,19 @@ class Settings:
     question_positions: str = _f("enum", "NEAR", "sparse attention", "question_blocks: NEAR "
                                  "reads them as if they sat just before the local window (the "
                                  "query turned back by each one's distance); AS_IS at their "
-                                 "own positions", choices=("NEAR", "AS_IS"))
+                                 "own positions (with block_positions COMPACT: in document "
+                                 "order among the other blocks)", choices=("NEAR", "AS_IS"))
+    block_positions: str = _f("enum", "COMPACT", "sparse attention", "COMPACT reads the blocks "
+                              "before the local window (init, selected, the question's) as one "
+                              "run of text ending where the window starts, so no key is read "
+                              "from further than the step's budget (the query turned back per "
+                              "block); AS_IS at their own positions", choices=("COMPACT", "AS_IS"))
     select_neighbours: bool = _f("bool", False, "sparse attention", "Each selected block brings "
                                  "the block after it, within the same budget")
+    spread_blocks: int = _f("int", 0, "sparse attention", "Of the selected blocks, this many "
+                            "are spread over the document: the candidates cut into that many "
+                            "equal runs, each run's best-scoring block taken; the rest by "
+                            "score. 0 = none; not with select_neighbours", 0)
     token_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N new tokens", 1)
     layer_step: int = _f("int", 1, "sparse attention", "Reselect blocks every N layers", 1)
     layer_budget: str = _f("enum", "UNIFORM", "sparse attention", "How the selected blocks are "
@@ -271,6 +281,10 @@ def check(v: dict[str, Any], sources: dict[str, str] | None = None) -> None:
         raise KtlongError("preselect_block is on but preselect_block_count is 0"
                           + at("preselect_block", "preselect_block_count"),
                           hint="set preselect_block_count above 0 (e.g. 96)")
+    if v["spread_blocks"] and v["select_neighbours"]:
+        raise KtlongError("spread_blocks and select_neighbours are both on"
+                          + at("spread_blocks", "select_neighbours"),
+                          hint="use one: spread_blocks: 0, or select_neighbours: false")
     if v["preselect_pool"] % 2 == 0:
         raise KtlongError(f"preselect_pool must be odd, got {v['preselect_pool']}"
                           + at("preselect_pool"), hint="use 1 (no pooling), 3, 5, 7, ...")

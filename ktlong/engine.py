@@ -133,7 +133,7 @@ class Session:
         self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
         self.policy = SelectionPolicy(settings, spec, self.store)
         rope = getattr(lm.model.model, "rotary_emb", None)
-        if rope is not None and hasattr(rope, "inv_freq"):  # [rot/2]: question_positions NEAR
+        if rope is not None and hasattr(rope, "inv_freq"):  # [rot/2]: turned reads (positions)
             self.policy.inv_freq = rope.inv_freq.detach().double().cpu().numpy()
         if self.store.mapped:  # room for a few steps' blocks before mapped pages are released
             step = self.policy.budget_blocks() * self.store.block_bytes * spec.n_layers

@@ -11,7 +11,10 @@ left the local window since it was made. With preselection, the prompt's last qu
 `question_blocks`, the same vote pins that many blocks per layer for the whole answer (the
 question's tokens choose, not only the token being decoded), out of the `second_select_num`
 budget. With `select_neighbours`, each chosen block brings the one after it (a fact that
-straddles two blocks is read whole), still `second_select_num` blocks in all.
+straddles two blocks is read whole), still `second_select_num` blocks in all; with
+`spread_blocks`, that many of them are each the best of an equal run of the document. With
+`block_positions: COMPACT` the blocks before the local window are read as if they were the ones
+just before it (`compact_layout`): no key further than the step's budget from the query.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class SelectionPolicy:
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
         self._pins: dict[int, np.ndarray] = {}  # layer -> the question's blocks, ascending
         self.inv_freq: np.ndarray | None = None  # [rot/2] the model's RoPE frequencies
+        self.head_dim = spec.head_dim
+        self._turns: kernels.Turns | None = None  # block_positions COMPACT's query turns
         self._preselect_upto = 0  # blocks complete when the vote was taken
         self._dynamic_upto = [0] * spec.n_layers  # blocks with DYNAMIC (vote-based) anchors
         self.n_layers = spec.n_layers
@@ -171,20 +176,32 @@ class SelectionPolicy:
 
     def _choose(self, step: Step) -> np.ndarray:
         """`[S, k]` int32 ascending: the step's top-k candidates by anchor score, each followed
-        by the block after it with `select_neighbours`."""
+        by the block after it with `select_neighbours`, or `spread_blocks` of them the best of
+        their run of the document."""
         quest = self.s.anchor_type == "QUEST"
         anchors = self.store.anchors[step.layer]
-        if not self.s.select_neighbours:
+        if not self._scores_apart():
             return kernels.select_blocks(step.q, anchors, step.candidates, step.k, quest,
                                          self.shared)
         scores = kernels.score_blocks(step.q, anchors, step.candidates, quest, self.shared)
+        if self.s.spread_blocks:
+            return spread_choice(scores, step.candidates, step.k, self.s.spread_blocks)
         return with_neighbours(scores, step.candidates, step.k)
+
+    def _scores_apart(self) -> bool:
+        """Whether the choice is made in NumPy from the kernel's scores (not in one kernel call
+        with the attention)."""
+        return self.s.select_neighbours or self.s.spread_blocks > 0
 
     def attend(self, step: Step, scale: float, local: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Exact attention on the CPU over the step's blocks (without the local window when
         `local` is False): out `[Hq, d]`, lse `[Hq]`. A step that chooses afresh scores, takes
-        the top-k and attends in one kernel call, and is committed here. With question_positions
-        NEAR the pins are read apart, each run of them with its own turned query, and merged."""
+        the top-k and attends in one kernel call, and is committed here. With block_positions
+        COMPACT the blocks before the local window are read as one run of text ending where the
+        window starts; else, with question_positions NEAR, the pins are read apart, each run of
+        them with its own turned query, and merged."""
+        if self._compacts(step):
+            return self._attend_compact(step, scale, local)
         if step.pins.size and self.s.question_positions == "NEAR" and self.inv_freq is not None:
             pins, step.pins = step.pins, _NONE
             out, lse = self._attend(step, scale, local)
@@ -192,6 +209,54 @@ class SelectionPolicy:
             self._read += pins.size
             return self._attend_near(step, out, lse, scale)
         return self._attend(step, scale, local)
+
+    def _compacts(self, step: Step) -> bool:
+        """Whether the step's blocks are read at compacted positions (a step over every block
+        before the window reads them where they are anyway)."""
+        every = (step.candidates is None and not step.n_init and not step.pins.size
+                 and step.chosen.shape[1] == step.local0)
+        return self.s.block_positions == "COMPACT" and self.inv_freq is not None and not every
+
+    def turns(self, reach: int) -> kernels.Turns:
+        """The query turns of shifts up to `reach` blocks (the table grows by doubling)."""
+        if self._turns is None or self._turns.reach < reach:
+            have = 0 if self._turns is None else self._turns.reach
+            self._turns = kernels.rope_turns(self.inv_freq, self.bs, max(reach, 2 * have, 64),
+                                             self.head_dim, self.store.kv_kind)
+        return self._turns
+
+    def _attend_compact(self, step: Step, scale: float,
+                        local: bool) -> tuple[np.ndarray, np.ndarray]:
+        """block_positions COMPACT: the init blocks, the chosen ones and the pins (in that order
+        with question_positions NEAR, else in document order) read as if they were the blocks
+        just before the local window, each with the query turned back by its shift."""
+        kv, anchors = self.store.kernel_views(step.layer)
+        end = step.nb if local else step.local0
+        near = self.s.question_positions == "NEAR"
+        turns = self.turns(step.local0)
+        if (step.candidates is not None and near and self.store.tier is None
+                and not self._scores_apart()):
+            # one kernel call: the fixed blocks' shifts are known before the choice, and the
+            # i-th chosen block of a row is read as block local0 - k - m + i
+            n0, m = step.n_init, step.pins.size
+            fixed = step.fixed(end)  # [init, pins, window]
+            shifts = np.zeros(fixed.size, np.int32)
+            shifts[:n0] = step.local0 - (n0 + step.k + m)
+            shifts[n0:n0 + m] = step.local0 - m + np.arange(m) - step.pins
+            out, lse, chosen = kernels.select_attend_layer(
+                kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
+                self.shared, fixed, step.n_tokens, scale, shifts, step.local0 - step.k - m, turns)
+            self.commit(step, chosen)
+            return out, lse
+        if step.candidates is not None:
+            chosen = self._choose(step)
+            if self.store.tier is not None:
+                self.store.prefetch(step.layer, chosen)
+            self.commit(step, chosen)
+        else:
+            self.commit(step)
+        blocks, shifts = compact_layout(step, end, near)
+        return kernels.attend_layer(kv, step.q, blocks, step.n_tokens, scale, shifts, turns)
 
     def _attend_near(self, step: Step, out: np.ndarray, lse: np.ndarray,
                      scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -217,7 +282,7 @@ class SelectionPolicy:
         if step.candidates is None:
             self.commit(step)
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
-        if self.store.tier is not None or self.s.select_neighbours:
+        if self.store.tier is not None or self._scores_apart():
             # choose first: a disk tier is asked for the chosen blocks before they are read
             chosen = self._choose(step)
             if self.store.tier is not None:
@@ -405,6 +470,24 @@ class SelectionPolicy:
         self._pins = {layer: pins[pins < full] for layer, pins in self._pins.items()}
 
 
+def compact_layout(step: Step, end: int, pins_last: bool) -> tuple[np.ndarray, np.ndarray]:
+    """block_positions COMPACT: the step's blocks `[S, n]` (init, chosen and pins, then the local
+    window's up to `end`) and their shifts `[S, n]` int32: the blocks before the window read as
+    if they were its M predecessors, in document order or with the pins last."""
+    S = step.chosen.shape[0]
+    init = np.arange(step.n_init, dtype=np.int32)
+    far = np.concatenate([np.broadcast_to(init, (S, init.size)), step.chosen,
+                          np.broadcast_to(step.pins, (S, step.pins.size))], axis=1)  # [S, M]
+    if not pins_last:
+        far = np.sort(far, axis=1)
+    M = far.shape[1]
+    window = np.arange(step.local0, end, dtype=np.int32)
+    blocks = np.concatenate([far, np.broadcast_to(window, (S, window.size))], axis=1)
+    shifts = np.zeros(blocks.shape, np.int32)
+    shifts[:, :M] = step.local0 - M + np.arange(M) - far
+    return blocks, shifts
+
+
 def rope_shift(q: np.ndarray, inv_freq: np.ndarray, delta: int) -> np.ndarray:
     """q `[Hq, d]` (already rotated at its position, HF's rotate-half layout) turned as if it
     sat `delta` positions later: `[Hq, d]` float32. The first 2 * inv_freq.size channels rotate,
@@ -417,6 +500,23 @@ def rope_shift(q: np.ndarray, inv_freq: np.ndarray, delta: int) -> np.ndarray:
     x1, x2 = x[:, :h], x[:, h:2 * h]
     out[:, :h], out[:, h:2 * h] = x1 * c - x2 * s, x2 * c + x1 * s
     return out.astype(np.float32)
+
+
+def spread_choice(scores: np.ndarray, candidates: np.ndarray, k: int, m: int) -> np.ndarray:
+    """`[S, k]` int32 ascending: per row of scores `[S, n]`, the best candidate of each of m
+    equal runs of the candidates (in their order), then the best of the others until k."""
+    n = candidates.size
+    k, m = min(k, n), min(m, k, n)
+    edges = np.linspace(0, n, m + 1).astype(np.int64)  # [m + 1]: run bounds, none empty
+    out = np.empty((scores.shape[0], k), np.int32)
+    for r, row in enumerate(scores):
+        best = np.array([a + int(np.argmax(row[a:b])) for a, b in zip(edges[:-1], edges[1:],
+                                                                        strict=True)], np.int64)
+        rest = row.astype(np.float64, copy=True)
+        rest[best] = -np.inf
+        more = np.argsort(-rest, kind="stable")[:k - m]
+        out[r] = np.sort(candidates[np.concatenate([best, more])])
+    return out
 
 
 def with_neighbours(scores: np.ndarray, candidates: np.ndarray, k: int) -> np.ndarray:

@@ -107,7 +107,7 @@ def parts(lm: Any, settings: Any) -> list[Part]:
     local = bool(s.gpu_local_window and lm.device.type == "cuda")
     votes = int(s.preselect_block) + 2 * int(s.question_blocks > 0)
     out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{votes}"
-                f"-nb{int(s.select_neighbours)}-local{int(local)}", "decode",
+                f"-nb{int(s.select_neighbours or s.spread_blocks > 0)}-local{int(local)}", "decode",
                 lambda: _attention(lm, s, None))]
     if s.prefill == "MINFERENCE":
         from ktlong.minference import resolve_plan

@@ -40,6 +40,7 @@ def settings(**kw: object) -> Settings:
         threads_num=2,
         preselect_block_count=16,
         question_blocks=0,  # tests that pin set it
+        block_positions="AS_IS",  # tests of compacted reads set COMPACT
     )
     base.update(kw)
     return dataclasses.replace(Settings(), **base)  # type: ignore[arg-type]

@@ -175,6 +175,80 @@ def test_attend_rejects_bad_input():
                         kind)
 
 
+def rope_freqs(rng, d):
+    """RoPE frequencies [h] over all d channels or a part of them (partial rotary)."""
+    h = int(rng.choice([d // 2, d // 4])) if d % 8 == 0 else d // 2
+    return 1.0 / 10000.0 ** (np.arange(h) / h)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("bs", [1, 16, 128])
+def test_turned_reads_match_reference(kind, bs):
+    """Each block read with the query turned back by its shift (runs of equal shifts, negative
+    ones, zero) equals the float64 reference, over partial rotary and every KV format."""
+    rng = np.random.default_rng(7 * kind + bs)
+    for trial in range(3):
+        q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, _ = draw(rng, 4, bs, kind,
+                                                                      trial != 1)
+        inv = rope_freqs(rng, q.shape[1])
+        shifts = rng.integers(-6, 50, blocks.shape).astype(np.int32)
+        shifts[:, 1::3] = shifts[:, ::3][:, :shifts[:, 1::3].shape[1]]  # runs of one shift
+        shifts[:, -1] = 0
+        turns = K.rope_turns(inv, bs, 50, q.shape[1], kind)
+        kv = K.layer_kv(kb, vb, kt, vt, nb_base, kind)
+        out, lse = K.attend_layer(kv, q, blocks, n_tokens, scale, shifts, turns)
+        ref_out, ref_lse = K.attend_blocks_ref(q, kb, vb, kt, vt, nb_base, blocks, n_tokens,
+                                               scale, kind, shifts, inv)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=3e-5)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-4)
+        plain = K.attend_layer(kv, q, blocks, n_tokens, scale)
+        zero = K.attend_layer(kv, q, blocks, n_tokens, scale, np.zeros_like(shifts), turns)
+        np.testing.assert_array_equal(zero[0], plain[0])  # shift 0: the query as it is
+
+
+def test_a_turned_read_equals_the_keys_at_their_new_positions():
+    """RoPE: keys rotated at position p and read with shift t score as the same keys rotated at
+    p + t * bs (the reads move blocks, not the query's own position)."""
+    rng = np.random.default_rng(11)
+    hkv, g, bs, d, nb = 2, 3, 8, 32, 10
+    inv = 1.0 / 10000.0 ** (np.arange(d // 2) / (d // 2))
+    raw_k = rng.standard_normal((hkv, nb * bs, d))
+    v = rng.standard_normal((hkv, nb * bs, d)).astype(np.float32)
+
+    def rotated(pos):  # [Hkv, n, d] keys rotated at positions pos [n]
+        return np.stack([np.stack([K.turned_ref(raw_k[j, i], inv, int(p))
+                                   for i, p in enumerate(pos)]) for j in range(hkv)])
+
+    def layer(k):
+        kt = k.astype(np.float32).reshape(hkv, nb, bs, d)
+        return K.layer_kv(kt[:, :0], v.reshape(kt.shape)[:, :0], kt, v.reshape(kt.shape), 0, 0)
+
+    q = rng.standard_normal((hkv * g, d)).astype(np.float32)
+    here = np.arange(nb * bs)
+    blocks, shifts = np.array([[1, 2, 5, 9]], np.int32), np.array([[4, 4, 2, 0]], np.int32)
+    moved = here.copy()
+    for b, t in zip(blocks[0], shifts[0], strict=True):
+        moved[b * bs:(b + 1) * bs] += t * bs
+    got = K.attend_layer(layer(rotated(here)), q, blocks, nb * bs, d ** -0.5, shifts,
+                         K.rope_turns(inv, bs, 8, d, 0))
+    want = K.attend_layer(layer(rotated(moved)), q, blocks, nb * bs, d ** -0.5)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-4)
+
+
+def test_turned_reads_reject_bad_shifts():
+    rng = np.random.default_rng(12)
+    q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, kind = draw(rng, 4, 16, 1, True)
+    kv = K.layer_kv(kb, vb, kt, vt, nb_base, kind)
+    turns = K.rope_turns(rope_freqs(rng, q.shape[1]), 16, 3, q.shape[1], kind)
+    with pytest.raises(ValueError, match="shaped as blocks"):
+        K.attend_layer(kv, q, blocks, n_tokens, scale, np.zeros((1, 99), np.int32), turns)
+    with pytest.raises(ValueError, match="reach of 3"):
+        K.attend_layer(kv, q, blocks, n_tokens, scale, np.full(blocks.shape, 4, np.int32), turns)
+    with pytest.raises(ValueError, match="turns"):
+        K.attend_layer(kv, q, blocks, n_tokens, scale, np.zeros(blocks.shape, np.int32))
+
+
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
 @pytest.mark.parametrize("bs", [1, 16, 128])
 def test_query_votes_match_reference(kind, bs):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ktlong import kernels as K
-from tests.test_kernels import KINDS, check_concurrent, head_dims, store
+from tests.test_kernels import KINDS, check_concurrent, head_dims, rope_freqs, store
 
 FORMATS = ("F32", "BF16", "Q8")
 
@@ -91,6 +91,38 @@ def test_select_attend_with_nothing_to_choose(k):
     ref_out, ref_lse, _ = K.select_attend_ref(*args)
     np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("bs", [1, 16, 128])
+def test_select_attend_with_turned_reads(kind, bs):
+    """Fixed blocks read with their own shifts and the i-th chosen block of a row as block
+    base + i: the same choice, and attention equal to the float64 reference over those reads
+    (k below the candidates: one kernel call; k = all of them: attend_layer)."""
+    rng = np.random.default_rng(31 * kind + bs)
+    for trial in range(4):
+        args = draw(rng, 4, bs, kind, "Q8", quest=False, shared=trial != 1)
+        q, anchors, cand, k, quest, shared, fixed, kb, vb, kt, vt, nb_base, n_tokens, scale = \
+            args[:14]
+        if trial == 3:
+            k = cand.size
+        d, nb = q.shape[1], -(-n_tokens // bs)
+        inv = rope_freqs(rng, d)
+        fixed_sh = rng.integers(-5, 30, fixed.size).astype(np.int32)
+        base = int(rng.integers(0, 20))
+        turns = K.rope_turns(inv, bs, nb + 40, d, kind)
+        out, lse, chosen = K.select_attend_layer(
+            K.layer_kv(kb, vb, kt, vt, nb_base, kind), K.anchor_view(anchors), q, cand, k, quest,
+            shared, fixed, n_tokens, scale, fixed_sh, base, turns)
+        np.testing.assert_array_equal(chosen, K.select_blocks(q, anchors, cand, k, quest, shared))
+        S, k = chosen.shape
+        blocks = np.concatenate([np.broadcast_to(fixed, (S, fixed.size)), chosen], axis=1)
+        shifts = np.concatenate([np.broadcast_to(fixed_sh, (S, fixed.size)),
+                                 base + np.arange(k) - chosen], axis=1)
+        ref_out, ref_lse = K.attend_blocks_ref(q, kb, vb, kt, vt, nb_base, blocks, n_tokens,
+                                               scale, kind, shifts, inv)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=3e-5)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-4)
 
 
 def test_concurrent_steps_from_two_threads():

@@ -7,7 +7,7 @@ import pytest
 
 from ktlong import kernels
 from ktlong.engine import Sampling
-from ktlong.selection import rope_shift, with_neighbours
+from ktlong.selection import rope_shift, spread_choice, with_neighbours
 
 from .test_selection import _q, _session
 
@@ -158,25 +158,9 @@ def test_near_positions_read_each_pin_as_if_before_the_local_window():
     pins = step.pins.copy()
     assert pins.size == 3
     out, lse = pol.attend(step, float(pol.scale))
-    blocks = step.blocks()[0]
-    k_all, v_all = (t.double().numpy() for t in s.store.token_range(1, 0, n))  # [Hkv, n, d]
-    g = q.shape[0] // k_all.shape[0]
     m, local0 = pins.size, step.local0
-    ref = np.zeros_like(out, dtype=np.float64)
-    for h in range(q.shape[0]):
-        ks, vs = [], []
-        for b in blocks.tolist():
-            tok = np.arange(b * BS, min(n, (b + 1) * BS))
-            kb = k_all[h // g, tok]
-            if b in pins:
-                delta = (local0 - m + int(np.searchsorted(pins, b)) - b) * BS
-                kb = _rope_turn(kb, pol.inv_freq, delta)
-            ks.append(kb)
-            vs.append(v_all[h // g, tok])
-        kk, vv = np.concatenate(ks), np.concatenate(vs)
-        sc = float(pol.scale) * (kk @ q[h].astype(np.float64))
-        p = np.exp(sc - sc.max())
-        ref[h] = p @ vv / p.sum()
+    moved = {int(b): (local0 - m + i - int(b)) * BS for i, b in enumerate(pins)}
+    ref = _moved_reference(s, q, step.blocks()[0].tolist(), moved)
     np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4)
     as_is = _session(anchor_type="MEAN", question_blocks=3, second_select_num=6,
                      question_positions="AS_IS")
@@ -187,3 +171,110 @@ def test_near_positions_read_each_pin_as_if_before_the_local_window():
 def _rope_turn(k, inv, delta):
     """Rotated keys k [n, d] moved `delta` positions later (rotate-half layout)."""
     return rope_shift(k.astype(np.float32), inv, delta).astype(np.float64)
+
+
+def _moved_reference(s, q, blocks, moved):
+    """float64 attention out `[Hq, d]` of q over layer 1's `blocks`, the keys of each block in
+    `moved` re-rotated that many positions later."""
+    n, pol = len(s.tokens), s.policy
+    k_all, v_all = (t.double().numpy() for t in s.store.token_range(1, 0, n))  # [Hkv, n, d]
+    g = q.shape[0] // k_all.shape[0]
+    ref = np.zeros(q.shape, np.float64)
+    for h in range(q.shape[0]):
+        ks, vs = [], []
+        for b in blocks:
+            tok = np.arange(b * BS, min(n, (b + 1) * BS))
+            kb = k_all[h // g, tok]
+            if b in moved:
+                kb = _rope_turn(kb, pol.inv_freq, moved[b])
+            ks.append(kb)
+            vs.append(v_all[h // g, tok])
+        kk, vv = np.concatenate(ks), np.concatenate(vs)
+        sc = float(pol.scale) * (kk @ q[h].astype(np.float64))
+        p = np.exp(sc - sc.max())
+        ref[h] = p @ vv / p.sum()
+    return ref
+
+
+@pytest.mark.parametrize("pins_last", [True, False], ids=["pins-near", "pins-as-is"])
+@pytest.mark.parametrize("reused", [False, True], ids=["fresh", "reused"])
+def test_compact_positions_read_the_blocks_before_the_window_as_one_run(pins_last, reused):
+    """block_positions COMPACT: the step's output equals exact attention over its blocks with
+    the init, chosen and question's blocks re-rotated to the M blocks just before the local
+    window (the pins last with question_positions NEAR, else in document order), the window's
+    keys where they are. A fresh choice (one kernel call, or choose then attend) and a choice
+    reused by the next layer (layer_step 2) read alike."""
+    s = _session(anchor_type="MEAN", question_blocks=3, second_select_num=7, layer_step=2,
+                 block_positions="COMPACT", question_positions="NEAR" if pins_last else "AS_IS")
+    n, pol, q = len(s.tokens), s.policy, _q(s, 7)
+    if reused:
+        pol.attend(pol.plan(0, q, n), float(pol.scale))
+    step = pol.plan(1, q, n)
+    assert (step.candidates is None) == reused and step.pins.size == 3
+    pins = step.pins.copy()
+    out, lse = pol.attend(step, float(pol.scale))
+    far = np.concatenate([np.arange(step.n_init), step.chosen[0], pins])
+    if not pins_last:
+        far = np.sort(far)
+    assert far.size == 1 + 7  # init + the budget, pins within it
+    moved = {int(b): (step.local0 - far.size + i - int(b)) * BS for i, b in enumerate(far)}
+    ref = _moved_reference(s, q, [*far.tolist(), *range(step.local0, step.nb)], moved)
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4)
+    as_is = _session(anchor_type="MEAN", question_blocks=3, second_select_num=7,
+                     question_positions="AS_IS")
+    o2, _ = as_is.policy.attend(as_is.policy.plan(1, q, n), float(pol.scale))
+    assert not np.allclose(o2, out, atol=1e-4)  # the turns change what is read
+
+
+def test_compact_positions_change_nothing_on_a_context_read_whole():
+    """A context within the budget is read whole, every key where it is: COMPACT answers with
+    the tokens AS_IS does."""
+    def answer(positions):
+        s = _session(n_tokens=150, anchor_type="MEAN", question_blocks=2,
+                     block_positions=positions)
+        return [t.token_id for t in s.generate(Sampling(max_new_tokens=6, temperature=0.0))]
+    assert answer("COMPACT") == answer("AS_IS")
+
+
+def test_spread_choice_takes_each_runs_best_then_the_best_of_the_rest():
+    rng = np.random.default_rng(3)
+    cand = np.sort(rng.choice(np.arange(1, 200), 40, replace=False)).astype(np.int32)
+    scores = rng.standard_normal((2, 40)).astype(np.float32)
+    scores[0, :10] -= 10  # the first run scores low: only its own best is taken from it
+    got = spread_choice(scores, cand, 9, 4)
+    assert got.shape == (2, 9) and np.all(np.diff(got, axis=1) > 0)
+    for r in range(2):
+        runs = np.split(np.arange(40), 4)  # 40 candidates in 4 runs of 10
+        best = [int(run[np.argmax(scores[r, run])]) for run in runs]
+        rest = [i for i in np.argsort(-scores[r], kind="stable") if i not in best][:5]
+        assert got[r].tolist() == sorted(cand[best + rest].tolist())
+    assert np.isin(cand[:10], got[0]).sum() == 1
+    # m >= k: one block from each of k runs; k above the candidates: all of them
+    assert spread_choice(scores[:1], cand, 4, 9).shape == (1, 4)
+    assert spread_choice(scores[:1, :3], cand[:3], 5, 2)[0].tolist() == cand[:3].tolist()
+
+
+def test_spread_blocks_reach_every_run_of_the_document():
+    """With spread_blocks every step reads a block from each of that many equal runs of the
+    candidates, whatever the query, and attends over exactly its blocks."""
+    s = _session(anchor_type="MEAN", second_select_num=8, spread_blocks=4, kv_type="FP32")
+    n, pol = len(s.tokens), s.policy
+    local0 = (n - LOCAL) // BS
+    runs = np.array_split(np.arange(1, local0), 4)
+    for seed in range(3):
+        q = _q(s, seed)
+        step = pol.plan(0, q, n)
+        out, lse = pol.attend(step, float(pol.scale))
+        chosen = step.chosen[0]
+        assert chosen.size == 8 and all(np.isin(run, chosen).any() for run in runs)
+        kv = s.store.kernel_views(0)[0]
+        want = kernels.attend_layer(kv, q, step.blocks(), n, float(pol.scale))
+        np.testing.assert_allclose(out, want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_spread_blocks_and_select_neighbours_are_one_or_the_other():
+    from ktlong.config import resolve_settings
+    from ktlong.errors import KtlongError
+    with pytest.raises(KtlongError, match="spread_blocks and select_neighbours"):
+        resolve_settings("default", {"spread_blocks": 8, "select_neighbours": True},
+                         config_file=False)
