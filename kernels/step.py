@@ -149,7 +149,7 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
     """`select_attend` over a layer's prepared K/V and anchor views. With `fixed_shifts` [nf]
     int32, `chosen_base` and their `turns`, blocks are read at other positions (see
     `attend_layer`): fixed block i as if fixed_shifts[i] blocks later, the i-th chosen block of a
-    row as if it were block chosen_base + i."""
+    row as if it were block chosen_base + i (chosen_base < 0: the chosen blocks where they are)."""
     q = kv.query(q)
     fixed = readonly(fixed, np.int32)
     if fixed.ndim != 1:
@@ -162,7 +162,7 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
     fsh, turns = checked_shifts(None if not turned else np.asarray(fixed_shifts)[None], turns,
                                 (1, fixed.size), kv)
     base = int(chosen_base) if turned else -1
-    if turned and k and max(abs(base - int(candidates.max())),
+    if base >= 0 and k and max(abs(base - int(candidates.max())),
                             abs(base + k - 1 - int(candidates.min()))) > turns.reach:
         raise ValueError(f"a shift beyond the turns' reach of {turns.reach} blocks")
     if k == candidates.size or k == 0:  # nothing to score: every candidate or none

@@ -14,7 +14,7 @@ budget. With `select_neighbours`, each chosen block brings the one after it (a f
 straddles two blocks is read whole), still `second_select_num` blocks in all; with
 `spread_blocks`, that many of them are each the best of an equal run of the document. With
 `block_positions: COMPACT` the blocks before the local window are read as if they were the ones
-just before it (`compact_layout`): no key further than the step's budget from the query.
+just before it (`read_layout`): no key further than the step's budget from the query.
 """
 
 from __future__ import annotations
@@ -198,24 +198,22 @@ class SelectionPolicy:
         `local` is False): out `[Hq, d]`, lse `[Hq]`. A step that chooses afresh scores, takes
         the top-k and attends in one kernel call, and is committed here. With block_positions
         COMPACT the blocks before the local window are read as one run of text ending where the
-        window starts; else, with question_positions NEAR, the pins are read apart, each run of
-        them with its own turned query, and merged."""
-        if self._compacts(step):
-            return self._attend_compact(step, scale, local)
-        if step.pins.size and self.s.question_positions == "NEAR" and self.inv_freq is not None:
-            pins, step.pins = step.pins, _NONE
-            out, lse = self._attend(step, scale, local)
-            step.pins = pins
-            self._read += pins.size
-            return self._attend_near(step, out, lse, scale)
+        window starts; else, with question_positions NEAR, the pins are read as the blocks just
+        before the window (`read_layout`)."""
+        if self._turned(step):
+            return self._attend_turned(step, scale, local)
         return self._attend(step, scale, local)
 
-    def _compacts(self, step: Step) -> bool:
-        """Whether the step's blocks are read at compacted positions (a step over every block
-        before the window reads them where they are anyway)."""
-        every = (step.candidates is None and not step.n_init and not step.pins.size
-                 and step.chosen.shape[1] == step.local0)
-        return self.s.block_positions == "COMPACT" and self.inv_freq is not None and not every
+    def _turned(self, step: Step) -> bool:
+        """Whether some of the step's blocks are read at other positions than their own: with
+        block_positions COMPACT (unless the step reads every block before the window, which
+        are where they would go), or the question's blocks with question_positions NEAR."""
+        if self.inv_freq is None:
+            return False
+        if self.s.block_positions == "COMPACT":
+            return not (step.candidates is None and not step.n_init and not step.pins.size
+                        and step.chosen.shape[1] == step.local0)
+        return step.pins.size > 0 and self.s.question_positions == "NEAR"
 
     def turns(self, reach: int) -> kernels.Turns:
         """The query turns of shifts up to `reach` blocks (the table grows by doubling)."""
@@ -225,27 +223,30 @@ class SelectionPolicy:
                                              self.head_dim, self.store.kv_kind)
         return self._turns
 
-    def _attend_compact(self, step: Step, scale: float,
-                        local: bool) -> tuple[np.ndarray, np.ndarray]:
-        """block_positions COMPACT: the init blocks, the chosen ones and the pins (in that order
-        with question_positions NEAR, else in document order) read as if they were the blocks
-        just before the local window, each with the query turned back by its shift."""
+    def _attend_turned(self, step: Step, scale: float,
+                       local: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The step's attention with blocks read at other positions (`read_layout`), each with
+        the query turned back by its shift; one kernel call."""
         kv, anchors = self.store.kernel_views(step.layer)
         end = step.nb if local else step.local0
+        compact = self.s.block_positions == "COMPACT"
         near = self.s.question_positions == "NEAR"
         turns = self.turns(step.local0)
-        if (step.candidates is not None and near and self.store.tier is None
+        if (step.candidates is not None and (near or not compact) and self.store.tier is None
                 and not self._scores_apart()):
-            # one kernel call: the fixed blocks' shifts are known before the choice, and the
-            # i-th chosen block of a row is read as block local0 - k - m + i
+            # one call with the choice: the fixed blocks' shifts are known before it, and
+            # (COMPACT) the i-th chosen block of a row is read as block local0 - k - m + i
             n0, m = step.n_init, step.pins.size
             fixed = step.fixed(end)  # [init, pins, window]
             shifts = np.zeros(fixed.size, np.int32)
-            shifts[:n0] = step.local0 - (n0 + step.k + m)
-            shifts[n0:n0 + m] = step.local0 - m + np.arange(m) - step.pins
+            if compact:
+                shifts[:n0] = step.local0 - (n0 + step.k + m)
+            if near:
+                shifts[n0:n0 + m] = step.local0 - m + np.arange(m) - step.pins
+            base = step.local0 - step.k - m if compact else -1
             out, lse, chosen = kernels.select_attend_layer(
                 kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
-                self.shared, fixed, step.n_tokens, scale, shifts, step.local0 - step.k - m, turns)
+                self.shared, fixed, step.n_tokens, scale, shifts, base, turns)
             self.commit(step, chosen)
             return out, lse
         if step.candidates is not None:
@@ -255,26 +256,8 @@ class SelectionPolicy:
             self.commit(step, chosen)
         else:
             self.commit(step)
-        blocks, shifts = compact_layout(step, end, near)
+        blocks, shifts = read_layout(step, end, compact, near)
         return kernels.attend_layer(kv, step.q, blocks, step.n_tokens, scale, shifts, turns)
-
-    def _attend_near(self, step: Step, out: np.ndarray, lse: np.ndarray,
-                     scale: float) -> tuple[np.ndarray, np.ndarray]:
-        """out, lse merged with the pins' attention, the pins (m of them, in order) read as if
-        they were the m blocks just before the local window: each run of consecutive pins with
-        the query turned back by its distance to there (RoPE: q.R(p_k + delta)k is
-        R(-delta)q.R(p_k)k), so no pin is read across a distance the model never trained on."""
-        kv = self.store.kernel_views(step.layer)[0]
-        pins, m = step.pins, step.pins.size
-        cut = np.flatnonzero(np.diff(pins) != 1) + 1
-        i = 0
-        for run in np.split(pins, cut):
-            delta = (step.local0 - m + i - int(run[0])) * self.bs  # >= 0: pins are below local0
-            q = rope_shift(step.q, self.inv_freq, -delta) if delta else step.q
-            o, lo = kernels.attend_layer(kv, q, run[None].astype(np.int32), step.n_tokens, scale)
-            out, lse = kernels.merge_partials(out, lse, o, lo)
-            i += run.size
-        return out, lse
 
     def _attend(self, step: Step, scale: float, local: bool) -> tuple[np.ndarray, np.ndarray]:
         kv, anchors = self.store.kernel_views(step.layer)
@@ -470,36 +453,27 @@ class SelectionPolicy:
         self._pins = {layer: pins[pins < full] for layer, pins in self._pins.items()}
 
 
-def compact_layout(step: Step, end: int, pins_last: bool) -> tuple[np.ndarray, np.ndarray]:
-    """block_positions COMPACT: the step's blocks `[S, n]` (init, chosen and pins, then the local
-    window's up to `end`) and their shifts `[S, n]` int32: the blocks before the window read as
-    if they were its M predecessors, in document order or with the pins last."""
-    S = step.chosen.shape[0]
+def read_layout(step: Step, end: int, compact: bool, pins_last: bool
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The step's blocks `[S, n]` (init, chosen and pins, then the local window's up to `end`)
+    and their shifts `[S, n]` int32. compact: the blocks before the window read as if they were
+    its M predecessors, in document order or with the pins last; else only the pins move, to the
+    m blocks before the window (pins_last)."""
+    S, m = step.chosen.shape[0], step.pins.size
     init = np.arange(step.n_init, dtype=np.int32)
     far = np.concatenate([np.broadcast_to(init, (S, init.size)), step.chosen,
-                          np.broadcast_to(step.pins, (S, step.pins.size))], axis=1)  # [S, M]
-    if not pins_last:
+                          np.broadcast_to(step.pins, (S, m))], axis=1)  # [S, M]
+    if compact and not pins_last:
         far = np.sort(far, axis=1)
     M = far.shape[1]
     window = np.arange(step.local0, end, dtype=np.int32)
     blocks = np.concatenate([far, np.broadcast_to(window, (S, window.size))], axis=1)
     shifts = np.zeros(blocks.shape, np.int32)
-    shifts[:, :M] = step.local0 - M + np.arange(M) - far
+    if compact:
+        shifts[:, :M] = step.local0 - M + np.arange(M) - far
+    elif pins_last:
+        shifts[:, M - m:M] = step.local0 - m + np.arange(m) - step.pins
     return blocks, shifts
-
-
-def rope_shift(q: np.ndarray, inv_freq: np.ndarray, delta: int) -> np.ndarray:
-    """q `[Hq, d]` (already rotated at its position, HF's rotate-half layout) turned as if it
-    sat `delta` positions later: `[Hq, d]` float32. The first 2 * inv_freq.size channels rotate,
-    any others stay."""
-    h = inv_freq.size
-    ang = delta * inv_freq  # [h]
-    c, s = np.cos(ang), np.sin(ang)
-    x = q.astype(np.float64)
-    out = x.copy()
-    x1, x2 = x[:, :h], x[:, h:2 * h]
-    out[:, :h], out[:, h:2 * h] = x1 * c - x2 * s, x2 * c + x1 * s
-    return out.astype(np.float32)
 
 
 def spread_choice(scores: np.ndarray, candidates: np.ndarray, k: int, m: int) -> np.ndarray:

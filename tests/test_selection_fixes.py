@@ -7,7 +7,7 @@ import pytest
 
 from ktlong import kernels
 from ktlong.engine import Sampling
-from ktlong.selection import rope_shift, spread_choice, with_neighbours
+from ktlong.selection import spread_choice, with_neighbours
 
 from .test_selection import _q, _session
 
@@ -130,7 +130,7 @@ def _rope(x, pos, inv):
     return x * c + rot * s
 
 
-def test_rope_shift_moves_a_query_as_a_key_moves_the_other_way():
+def test_a_turned_query_moves_as_a_key_moves_the_other_way():
     rng = np.random.default_rng(0)
     inv = 1e4 ** (-np.arange(0, 32, 2) / 32)  # d 32
     q_raw, k_raw = rng.standard_normal((1, 32)), rng.standard_normal((1, 32))
@@ -138,11 +138,12 @@ def test_rope_shift_moves_a_query_as_a_key_moves_the_other_way():
     q = _rope(q_raw, np.array([pq]), inv).astype(np.float32)
     k = _rope(k_raw, np.array([pk]), inv)
     k_moved = _rope(k_raw, np.array([pk + delta]), inv)
-    shifted = rope_shift(q, inv, -delta)
+    shifted = kernels.turned_ref(q[0], inv, -delta)[None]
     np.testing.assert_allclose(shifted @ k.T, q.astype(np.float64) @ k_moved.T, rtol=1e-4)
     np.testing.assert_allclose(np.linalg.norm(shifted), np.linalg.norm(q), rtol=1e-6)
     near = _rope(q_raw, np.array([pk + 4096]), inv) @ k.T  # what a query 4,096 later sees
-    np.testing.assert_allclose(rope_shift(q, inv, -(pq - pk - 4096)) @ k.T, near, rtol=1e-4)
+    np.testing.assert_allclose(kernels.turned_ref(q[0], inv, -(pq - pk - 4096))[None] @ k.T,
+                               near, rtol=1e-4)
 
 
 def test_near_positions_read_each_pin_as_if_before_the_local_window():
@@ -170,7 +171,7 @@ def test_near_positions_read_each_pin_as_if_before_the_local_window():
 
 def _rope_turn(k, inv, delta):
     """Rotated keys k [n, d] moved `delta` positions later (rotate-half layout)."""
-    return rope_shift(k.astype(np.float32), inv, delta).astype(np.float64)
+    return np.stack([kernels.turned_ref(row, inv, delta) for row in k])
 
 
 def _moved_reference(s, q, blocks, moved):
