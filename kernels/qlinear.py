@@ -7,8 +7,8 @@
 
 `w` is the tensor's raw bytes [N, row_bytes] uint8 (usually a read-only view of the mapped file);
 `qtype` is ggml's type id. The sums of x over each 16 channels are computed once per call, so a
-block's constant term (Q4_0's -8, K-quants' mins, Q6_K's -32) costs one multiply, not one per
-weight.
+block's constant term (Q4_0's -8, Q5_0's -16, Q4_1 / Q5_1 / K-quants' mins, Q6_K's -32) costs one
+multiply, not one per weight.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ._qvec import (
     dp6,
     dp8x2,
     dp40x2,
+    dp50x2,
     k4_lanes,
     lanes2,
     ld_f16,
@@ -38,8 +39,9 @@ from ._simd import F32, FASTMATH, readonly, to_bf16, to_f32
 from ._vec import vhsum, vsplat, vzero
 from .threads import use_threads
 
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
-BLOCK = {Q4_0: (32, 18), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCK = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+         Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 RB = 8  # output rows per work item
 
 
@@ -60,6 +62,13 @@ def _xsums(x):
 def _half1(w, o):
     """The f16 at byte o of row w [row_bytes], as float32."""
     return to_f32(np.int16(np.uint16(w[o]) | (np.uint16(w[o + 1]) << np.uint16(8))))
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _u32(w, o):
+    """The little-endian uint32 at byte o of row w [row_bytes] (Q5_0 / Q5_1's qh)."""
+    return (np.uint32(w[o]) | (np.uint32(w[o + 1]) << np.uint32(8))
+            | (np.uint32(w[o + 2]) << np.uint32(16)) | (np.uint32(w[o + 3]) << np.uint32(24)))
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
@@ -106,6 +115,41 @@ def _dot_q4_0(w, r, x, xs):
             q = w[r, o + 2 + i]
             s += F32(q & 15) * x[xo + i] + F32(q >> 4) * x[xo + 16 + i]
         acc += _half(w, r, o) * (s - F32(8) * (xs[2 * b] + xs[2 * b + 1]))
+    return acc
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _dot_q4_1(w, r, x, xs):
+    acc = F32(0)
+    for b in range(x.shape[0] // 32):
+        o, xo = b * 20, b * 32
+        s = F32(0)
+        for i in range(16):
+            q = w[r, o + 4 + i]
+            s += F32(q & 15) * x[xo + i] + F32(q >> 4) * x[xo + 16 + i]
+        acc += _half(w, r, o) * s + _half(w, r, o + 2) * (xs[2 * b] + xs[2 * b + 1])
+    return acc
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _dot_q5_01(w, r, x, xs, one):
+    """Q5_0 (x = d * (q - 16)), or with `one` Q5_1 (x = d * q + m); bit 4 of q from qh."""
+    acc = F32(0)
+    for b in range(x.shape[0] // 32):
+        o, xo = b * (24 if one else 22), b * 32
+        ho = o + (4 if one else 2)  # qh, then qs
+        h = _u32(w[r], ho)
+        s = F32(0)
+        for i in range(16):
+            q = w[r, ho + 4 + i]
+            q0 = (q & 15) | (((h >> i) & 1) << 4)
+            q1 = (q >> 4) | (((h >> (i + 16)) & 1) << 4)
+            s += F32(q0) * x[xo + i] + F32(q1) * x[xo + 16 + i]
+        xsum = xs[2 * b] + xs[2 * b + 1]
+        if one:
+            acc += _half(w, r, o) * s + _half(w, r, o + 2) * xsum
+        else:
+            acc += _half(w, r, o) * (s - F32(16) * xsum)
     return acc
 
 
@@ -170,6 +214,10 @@ def _dot(w, qtype, r, x, xs):
         return _dot_q8_0(w, r, x, xs)
     if qtype == Q5_K:
         return _dot_q45_k(w, r, x, xs, True)
+    if qtype == Q4_1:
+        return _dot_q4_1(w, r, x, xs)
+    if qtype == Q5_0 or qtype == Q5_1:
+        return _dot_q5_01(w, r, x, xs, qtype == Q5_1)
     return _dot_q4_0(w, r, x, xs)
 
 
@@ -185,11 +233,12 @@ def _qgemv(w, qtype, x):
     return out
 
 
-# AVX512-VNNI path (as llama.cpp's): x is rounded to int8, per 32 channels for Q8_0 / Q4_0 and per
-# 256 for the K-quants; each block's codes meet x's codes in vpdpbusd. Q8_0 / Q4_0 scale the int32
-# lanes by (block scale x dx) in float32; a K-quant super-block sums its sub-blocks' lanes times
-# their integer scales in int32, then scales once. Constant terms (mins, code offsets) use the sums
-# of x's codes, so the result is exactly W times the int8-rounded x.
+# AVX512-VNNI path (as llama.cpp's): x is rounded to int8, per 32 channels for the 32-blocks (Q8_0,
+# Q4_0, Q4_1, Q5_0, Q5_1) and per 256 for the K-quants; each block's codes meet x's codes in
+# vpdpbusd. 32-blocks scale the int32 lanes by (block scale x dx) in float32; a K-quant super-block
+# sums its sub-blocks' lanes times their integer scales in int32, then scales once. Constant terms
+# (mins, code offsets) use the sums of x's codes, so the result is exactly W times the int8-rounded
+# x.
 _M6, _M4, _M2 = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
 
 
@@ -263,25 +312,48 @@ def _vdot_k(qtype, wa, xa, dx, s16a, s32a, k):
     return vhsum(acc) - corr
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def _vdot_32(qtype, wa, xa, dx, s32, k):
-    """Row at address wa (Q8_0, Q4_0) . x (codes at xa, one scale per 32)."""
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _vdot_pairs(qtype, nb, wa, xa, dx, s32, k):
+    """Row at address wa (a 32-block type of nb bytes a block) . x (codes at xa, one scale per
+    32). Two blocks a step; a block's constant term is c * dx * (sum of its 32 x codes). Inlined
+    with a constant qtype: one loop per type, no type test inside it."""
     acc = vzero()
     corr = F32(0)
     for j in range(0, k // 32, 2):
+        o, xo = wa + j * nb, xa + 32 * j
+        d0, d1 = ld_f16(o), ld_f16(o + nb)
         if qtype == Q8_0:
-            o = wa + j * 34
-            d0, d1 = ld_f16(o), ld_f16(o + 34)
-            p = dp8x2(vzero(), o + 2, o + 36, xa + 32 * j)
-            off = F32(128)  # the +128 that made the codes unsigned
-        else:
-            o = wa + j * 18
-            d0, d1 = ld_f16(o), ld_f16(o + 18)
-            p = dp40x2(vzero(), o + 2, o + 20, xa + 32 * j)
-            off = F32(8)
+            p = dp8x2(vzero(), o + 2, o + 36, xo)
+            c0, c1 = F32(128) * d0, F32(128) * d1  # the +128 that made the codes unsigned
+        elif qtype == Q4_0:
+            p = dp40x2(vzero(), o + 2, o + 20, xo)
+            c0, c1 = F32(8) * d0, F32(8) * d1
+        elif qtype == Q4_1:
+            p = dp40x2(vzero(), o + 4, o + 24, xo)
+            c0, c1 = -ld_f16(o + 2), -ld_f16(o + 22)  # the mins (added)
+        elif qtype == Q5_0:  # qh at 2, qs at 6
+            p = dp50x2(vzero(), o + 6, o + 28, o + 2, o + 24, xo)
+            c0, c1 = F32(16) * d0, F32(16) * d1
+        else:  # Q5_1: m at 2, qh at 4, qs at 8
+            p = dp50x2(vzero(), o + 8, o + 32, o + 4, o + 28, xo)
+            c0, c1 = -ld_f16(o + 2), -ld_f16(o + 26)
         acc = cvt_fma(p, lanes2(d0 * dx[j], d1 * dx[j + 1]), acc)
-        corr += off * (d0 * dx[j] * F32(s32[j]) + d1 * dx[j + 1] * F32(s32[j + 1]))
+        corr += c0 * dx[j] * F32(s32[j]) + c1 * dx[j + 1] * F32(s32[j + 1])
     return vhsum(acc) - corr
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _vdot_32(qtype, wa, xa, dx, s32, k):
+    """Row at address wa (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) . x (codes at xa, one scale per 32)."""
+    if qtype == Q8_0:
+        return _vdot_pairs(Q8_0, 34, wa, xa, dx, s32, k)
+    if qtype == Q4_0:
+        return _vdot_pairs(Q4_0, 18, wa, xa, dx, s32, k)
+    if qtype == Q4_1:
+        return _vdot_pairs(Q4_1, 20, wa, xa, dx, s32, k)
+    if qtype == Q5_0:
+        return _vdot_pairs(Q5_0, 22, wa, xa, dx, s32, k)
+    return _vdot_pairs(Q5_1, 24, wa, xa, dx, s32, k)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -338,6 +410,31 @@ def _decode_row(w, qtype, c0, c1, out):
                 q = w[o + 2 + i]
                 _put(out, y + i, d * F32(np.int32(q & 15) - 8))
                 _put(out, y + 16 + i, d * F32(np.int32(q >> 4) - 8))
+    elif qtype == Q4_1:
+        for b in range(c0 // 32, c1 // 32):
+            o, y = b * 20, b * 32 - c0
+            d, m = _half1(w, o), _half1(w, o + 2)
+            for i in range(16):
+                q = w[o + 4 + i]
+                _put(out, y + i, d * F32(q & 15) + m)
+                _put(out, y + 16 + i, d * F32(q >> 4) + m)
+    elif qtype == Q5_0 or qtype == Q5_1:
+        one = qtype == Q5_1
+        for b in range(c0 // 32, c1 // 32):
+            o, y = b * (24 if one else 22), b * 32 - c0
+            ho = o + (4 if one else 2)  # qh, then qs
+            d, h = _half1(w, o), _u32(w, ho)
+            m = _half1(w, o + 2) if one else F32(0)
+            for i in range(16):
+                q = w[ho + 4 + i]
+                q0 = np.int32((q & 15) | (((h >> i) & 1) << 4))
+                q1 = np.int32((q >> 4) | (((h >> (i + 16)) & 1) << 4))
+                if one:
+                    _put(out, y + i, d * F32(q0) + m)
+                    _put(out, y + 16 + i, d * F32(q1) + m)
+                else:  # no + m: keeps d * 0's sign, as the reference
+                    _put(out, y + i, d * F32(q0 - 16))
+                    _put(out, y + 16 + i, d * F32(q1 - 16))
     elif qtype == Q6_K:
         for b in range(c0 // 256, c1 // 256):
             o, y0 = b * 210, b * 256 - c0

@@ -21,7 +21,9 @@ import torch
 
 from ktlong.kvstore import KV_TYPES, KVStore
 from ktlong.minference import ChunkAttention
-from ktlong.model import ATTN_IMPLEMENTATION
+from ktlong.slidingkv import SlidingKV
+
+ATTN_IMPLEMENTATION = "ktlong"  # name registered with transformers' AttentionInterface
 
 TILE_ELEMS = 1 << 24  # max floats in one [Hkv, g*L, T] score tile (64 MB)
 PAST_SEGMENT_ELEMS = 1 << 19  # max floats of one head's past K per fused-kernel call (2 MB)
@@ -73,8 +75,13 @@ class AttentionRouter:
         device: torch.device,
         local_device: torch.device | None = None,
         chunk_attention: ChunkAttention | None = None,
+        window: SlidingKV | None = None,
+        kv_layers: tuple[int, ...] | None = None,
     ) -> None:
         self.store, self.policy, self.device = store, policy, device
+        self.window = window  # the sliding-window layers' rings (Gemma 3), outside the store
+        # model layer -> store layer: the store holds only the layers that read the whole context
+        self.kv_index = {li: i for i, li in enumerate(kv_layers or range(store.shape.n_layers))}
         self.chunk_attention = chunk_attention  # MINFERENCE prefill: per-head sparse patterns
         self.attn_s = 0.0  # seconds in prefill attention (dense or sparse) since begin()
         # decode: the local window attends on this device (the GPU) while the CPU kernel reads
@@ -99,7 +106,11 @@ class AttentionRouter:
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q `[Hq, L, d]`, k, v `[Hkv, L, d]` -> attention output `[Hq, L, d]` float32."""
+        """q `[Hq, L, d]`, k, v `[Hkv, L, d]` of model layer `layer` -> attention output
+        `[Hq, L, d]` float32."""
+        if self.window is not None and layer in self.window:
+            return self.window.attend(layer, q.cpu(), k.cpu(), v.cpu(), scale).to(q.device)
+        layer = self.kv_index[layer]
         start = self.store.write(layer, k, v)
         if self.capture:  # only the last rows are copied: the chunk's q is the layer's biggest
             prev = self.captured.get(layer)

@@ -413,7 +413,8 @@ def run(model: Path | None, prompt_file: str | list[str] | None, settings: Setti
     reads one question per line from a piped stdin).
     """
     from ktlong import chatui
-    from ktlong.model import load_model, read_spec
+    from ktlong.model import load_model
+    from ktlong.spec import read_spec
 
     if model is None:
         raise KtlongError("no model given", hint="pass --model with a Hugging Face folder or a "

@@ -29,11 +29,24 @@ from ktlong.config import (
     unknown_key,
 )
 from ktlong.errors import KtlongError
+from ktlong.registry import known, resolve_model
+
 
 # --- shared options -----------------------------------------------------------------------------
+def _model(value: Path | str | None) -> Path | str | None:
+    """Every --model goes through here: a known name becomes its GGUF file (ktlong.registry);
+    paths pass unchanged (a str option stays a str)."""
+    if value is None:
+        return None
+    path = resolve_model(value)
+    return path if isinstance(value, Path) else str(path)
+
+
+KNOWN_MODELS = ", ".join(known())
 ModelOpt = Annotated[Path | None, typer.Option(
-    "--model", "-m", metavar="DIR|FILE.gguf", show_default=False,
-    help="Model: a Hugging Face folder (config.json + *.safetensors) or a .gguf file.")]
+    "--model", "-m", metavar="DIR|FILE.gguf|NAME", show_default=False, callback=_model,
+    help="Model: a Hugging Face folder (config.json + *.safetensors), a .gguf file, or a known "
+         f"name: {KNOWN_MODELS}.")]
 ProfileOpt = Annotated[str | None, typer.Option(
     "--profile", "-p", metavar="NAME|PATH", show_default=False,
     help="Settings profile: default, dense, minference, quest, snapkv, infllm, streamingllm, "
@@ -152,7 +165,7 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
 
     res = resolve(profile, kv_type=kv_type)
     if model is not None:
-        from ktlong.model import read_spec
+        from ktlong.spec import read_spec
 
         spec = read_spec(model, need_weights=False)
     else:
@@ -387,9 +400,11 @@ def inspect_config(keys: Annotated[list[str] | None, typer.Argument(
 
 
 @inspect_app.command("model")
-def inspect_model(model: Annotated[Path, typer.Argument(
-                      metavar="DIR|FILE.gguf", show_default=False,
-                      help="A Hugging Face folder (config.json + *.safetensors) or a .gguf file.")],
+def inspect_model(model: Annotated[Path | None, typer.Argument(
+                      metavar="DIR|FILE.gguf|NAME", show_default=False, callback=_model,
+                      help="A Hugging Face folder (config.json + *.safetensors), a .gguf file, "
+                           f"or a known name: {KNOWN_MODELS} (or give it as --model).")] = None,
+                  model_opt: ModelOpt = None,
                   profile: ProfileOpt = None, kv_type: KvTypeOpt = None,
                   as_json: JsonOpt = False) -> None:
     """Architecture, heads, RoPE, weight types and KV bytes per token, from metadata only.
@@ -398,6 +413,10 @@ def inspect_model(model: Annotated[Path, typer.Argument(
     """
     from ktlong.inspect import show_model
 
+    if (model is None) == (model_opt is None):
+        raise KtlongError("inspect model: give the model once, as an argument or as --model",
+                          hint="e.g. ktlong inspect model smollm2")
+    model = model or model_opt
     show_model(model, resolve(profile, kv_type=kv_type).settings.kv_type, as_json)
 
 
@@ -433,8 +452,9 @@ def inspect_document(files: Annotated[list[str], typer.Argument(
                          metavar="FILE|DIR...", show_default=False,
                          help="Documents as --prompt-file takes them (several are joined).")],
                      model: Annotated[Path | None, typer.Option(
-                         "--model", "-m", metavar="DIR|FILE.gguf", show_default=False,
-                         help="Count tokens with this model's tokenizer (else an estimate).")]
+                         "--model", "-m", metavar="DIR|FILE.gguf|NAME", show_default=False,
+                         callback=_model, help="Count tokens with this model's tokenizer (else "
+                         f"an estimate); a path or a known name: {KNOWN_MODELS}.")]
                      = None,
                      encoding: Annotated[str | None, typer.Option(
                          metavar="NAME", show_default=False,
@@ -786,9 +806,10 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                   "--threads", "-t", min=0,
                   help="CPU threads (0: ktlong takes the idle cores, the peers all cores).")] = 0,
               model: Annotated[str | None, typer.Option(
-                  "--model", "-m", show_default=False,
+                  "--model", "-m", show_default=False, callback=_model,
                   help="Your own model: a GGUF file (ktlong vs llama.cpp on the same file) or an "
-                       "HF folder (ktlong vs transformers).")] = None,
+                       f"HF folder (ktlong vs transformers), or a known name: {KNOWN_MODELS}.")]
+              = None,
               shape: Annotated[str | None, typer.Option(
                   show_default=False,
                   help="A random model at real widths, as one GGUF file read by ktlong and "
@@ -859,6 +880,37 @@ def bench_serve(tokens: Annotated[str, typer.Option(
                f"{f' --profile {profile}' if profile else ''}"
                f"{f' -t {threads}' if threads is not None else ''}")
     bench.main(n, res.settings, model, as_json, command)
+
+
+@bench_app.command("agree")
+def bench_agree(model: ModelOpt = None,
+                docs: Annotated[str, typer.Option(
+                    help="FILE:TOKENS items, comma-separated: each document cut to that many "
+                         "tokens.")] = "/usr/share/common-licenses/MPL-2.0:1K,"
+                "/usr/share/common-licenses/GPL-2:4K,/usr/share/common-licenses/GPL-3:7K",
+                new_tokens: Annotated[int, typer.Option(min=1, help="Greedy tokens each.")] = 64,
+                profile: ProfileOpt = None,
+                threads: ThreadsOpt = 2,
+                as_json: JsonOpt = False) -> None:
+    """Greedy tokens of ktlong against llama.cpp on the same GGUF and the same prompt ids (needs
+    the peers extra): where they first differ, and ktlong's logit margin there."""
+    from ktlong import render
+    from ktlong.bench import agree
+
+    if model is None:
+        raise KtlongError("no model given", hint="pass --model with a .gguf file or smollm2")
+    items = []
+    for item in docs.split(","):
+        path, _, n = item.strip().rpartition(":")
+        if not path or not Path(path).is_file():
+            raise KtlongError(f"--docs: {item!r} is not FILE:TOKENS of an existing file",
+                              hint="e.g. --docs /usr/share/common-licenses/GPL-3:7K")
+        items.append((path, parse_int(n)))
+    data = agree.run(str(model), items, new_tokens, profile or "dense", threads or 2)
+    if as_json:
+        render.print_json(data)
+    else:
+        agree.print_table(data)
 
 
 @bench_app.command("plot")

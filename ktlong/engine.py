@@ -22,6 +22,7 @@ from ktlong.kvstore import KVStore, StoreShape
 from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
+from ktlong.slidingkv import SlidingKV
 from ktlong.squeeze import cosine_sum
 from ktlong.warmup import compile_seconds, warm_up
 from ktlong.weights import set_prefill_matmul
@@ -84,6 +85,16 @@ def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = 
         memory.check_room(spec, settings, need, weights_in_dram=False)
 
 
+def position_embeddings(body: Any, h: torch.Tensor, pos: torch.Tensor) -> list[Any]:
+    """Each layer's RoPE (cos, sin) for positions `pos` [1, C]: one table for all layers, or one
+    per layer type where the model has several (Gemma 3: other bases for global and local)."""
+    rope, types = body.rotary_emb, getattr(body.config, "layer_types", None)
+    if types and hasattr(rope, "layer_types"):
+        per = {t: rope(h, pos, t) for t in set(types)}
+        return [per[t] for t in types]
+    return [rope(h, pos)] * len(body.layers)
+
+
 def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> int:
     """logits [vocab] -> token id (greedy when temperature is 0)."""
     if sp.temperature <= 0:
@@ -121,7 +132,7 @@ class Session:
         limit_heap_retention()
         spec = lm.spec
         shape = StoreShape(
-            spec.n_layers,
+            len(spec.kv_layers),
             spec.n_kv_heads,
             spec.head_dim,
             settings.block_size,
@@ -131,12 +142,20 @@ class Session:
         self.store = store or KVStore(shape, settings.max_seq_len,
                                       tier_dir=tier_dir(spec, settings))
         self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
+        self.window = None  # the sliding-window layers' rows (Gemma 3), outside the store
+        if spec.sliding_layers:
+            self.window = SlidingKV(spec.sliding_layers, spec.n_kv_heads, spec.head_dim,
+                                    spec.sliding_window)
+            if self.tokens:
+                self.window.load(self.store.window_rows, len(self.tokens))
+                self.window.pin(len(self.tokens))
         self.policy = SelectionPolicy(settings, spec, self.store)
         rope = getattr(lm.model.model, "rotary_emb", None)
-        if rope is not None and hasattr(rope, "inv_freq"):  # [rot/2]: turned reads (positions)
-            self.policy.inv_freq = rope.inv_freq.detach().double().cpu().numpy()
+        inv_freq = getattr(rope, "inv_freq", getattr(rope, "full_attention_inv_freq", None))
+        if inv_freq is not None:  # [rot/2]: turned reads (positions) of the store's layers
+            self.policy.inv_freq = inv_freq.detach().double().cpu().numpy()
         if self.store.mapped:  # room for a few steps' blocks before mapped pages are released
-            step = self.policy.budget_blocks() * self.store.block_bytes * spec.n_layers
+            step = self.policy.budget_blocks() * self.store.block_bytes * shape.n_layers
             self.store.map_cap = max(self.store.map_cap, 2 * step)
         local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
         chunk_attention = None
@@ -144,7 +163,9 @@ class Session:
             from ktlong.minference import ChunkAttention, resolve_plan
 
             chunk_attention = ChunkAttention(resolve_plan(spec, settings))
-        self.router = AttentionRouter(self.store, self.policy, lm.device, local, chunk_attention)
+        self.router = AttentionRouter(self.store, self.policy, lm.device, local, chunk_attention,
+                                      self.window, spec.kv_layers)
+        self._kv_slot = {li: i for i, li in enumerate(spec.kv_layers)}  # model -> store layer
         self.stats = Stats()
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
         self.threads = 0  # in effect; set before each prefill and generate
@@ -184,8 +205,8 @@ class Session:
         self.router.begin(sparse=sparse, capture=min(capture, n), total=n)
         bounds = [(c, min(n, c + chunk)) for c in range(0, n, chunk)]
         # a prefill measures each layer's input/output cosine (layer_budget SQUEEZE reads it)
-        self._cos = torch.zeros(len(body.layers), dtype=torch.float64, device=dev) if n > 1 \
-            else None  # [n_layers] sums over tokens
+        self._cos = torch.zeros(self.store.shape.n_layers, dtype=torch.float64, device=dev) \
+            if n > 1 else None  # [store layers] sums over tokens
         with torch.inference_mode():
             if dev.type == "cuda" and len(bounds) > 1:
                 last = self._layer_major(ids, start, bounds, progress, all_logits)
@@ -209,11 +230,11 @@ class Session:
         for c0, c1 in bounds:
             h = body.embed_tokens(torch.tensor(ids[c0:c1], device=dev)).unsqueeze(0)  # [1, C, hid]
             pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
-            emb = body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
+            embs = position_embeddings(body, h, pos)  # per layer ([1, C, d], [1, C, d])
             for li, layer in enumerate(body.layers):
-                h_in, h = h, layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
-                if self._cos is not None:
-                    self._cos[li] += cosine_sum(h_in, h)
+                h_in, h = h, layer(h, position_embeddings=embs[li], position_ids=pos,
+                                   ktlong=self.router)
+                self._add_cos(li, h_in, h)
                 self.store.check_resident()
                 if progress is not None:
                     progress(c0 + (c1 - c0) * (li + 1) // n_layers, n)
@@ -235,17 +256,22 @@ class Session:
             for c0, c1 in bounds:
                 h = hidden[c0:c1].to(dev).unsqueeze(0)  # [1, C, hidden]
                 pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
-                emb = rope.get(c0) or body.rotary_emb(h, pos)  # ([1, C, d], [1, C, d])
+                embs = rope.get(c0) or position_embeddings(body, h, pos)  # per layer (cos, sin)
                 if keep_rope:
-                    rope[c0] = emb
-                h_in, h = h, layer(h, position_embeddings=emb, position_ids=pos, ktlong=self.router)
-                if self._cos is not None:
-                    self._cos[li] += cosine_sum(h_in, h)
+                    rope[c0] = embs
+                h_in, h = h, layer(h, position_embeddings=embs[li], position_ids=pos,
+                                   ktlong=self.router)
+                self._add_cos(li, h_in, h)
                 hidden[c0:c1] = h[0].to(hidden.device)
                 self.store.check_resident()
                 if progress is not None:
                     progress((li * n + c1) // n_layers, n)
         return hidden if all_logits else hidden[-1:]
+
+    def _add_cos(self, layer: int, h_in: torch.Tensor, h: torch.Tensor) -> None:
+        slot = self._kv_slot.get(layer)
+        if self._cos is not None and slot is not None:
+            self._cos[slot] += cosine_sum(h_in, h)
 
     def prefill(
         self, ids: list[int], progress: Progress | None = None, all_logits: bool = False
@@ -263,7 +289,10 @@ class Session:
         self._set_threads()
         t0, c0 = time.perf_counter(), compile_seconds()
         sparse = bool(self.tokens) and self.policy.sparse_for(len(self.tokens) + len(ids))
+        first = not self.tokens
         logits = self._forward(ids, progress, sparse=sparse, all_logits=all_logits)
+        if first and self.window is not None:  # the document: a point to cut back to
+            self.window.pin(len(self.tokens))
         dt = max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))  # compiling: no work
         self.logits = logits[-1]
         self.stats = Stats(
@@ -310,7 +339,8 @@ class Session:
         when nothing could be reused (the store is left as it was). See ktlong/shift.py."""
         from ktlong import shift
 
-        plan = shift.plan(self.tokens, ids, min_reuse)
+        # a sliding-window layer keeps no rows to move: such a model re-reads what follows
+        plan = None if self.window is not None else shift.plan(self.tokens, ids, min_reuse)
         base = self.store.nb_base * self.store.shape.block_size
         if plan is None:
             keep = self.common_prefix(ids)
@@ -367,6 +397,8 @@ class Session:
         """Go back to the first `n_tokens` tokens (e.g. /reset to just the document)."""
         if n_tokens > len(self.tokens):
             raise ValueError("cannot truncate forward")
+        if self.window is not None:
+            self.window.truncate(n_tokens)  # ValueError (nothing cut) when its rows are gone
         self.store.truncate(n_tokens)
         del self.tokens[n_tokens:]
         self.policy.truncate(n_tokens)

@@ -21,7 +21,9 @@ import numpy as np
 from ktlong import quant
 from ktlong.errors import KtlongError
 
-_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}
+_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
+         "gemma3_text": "GEMMA3"}
+NORM_SHIFT = {"gemma3_text": 1.0}  # llama.cpp stores Gemma's RMSNorm weights as 1 + w
 
 
 def qk_order(rows: int, n_head: int) -> np.ndarray:
@@ -47,8 +49,8 @@ def load_quantised(path: str, config: Any, dtype: Any, attn: str) -> tuple[Any, 
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from ktlong.model import open_gguf
-    from ktlong.weights import QuantEmbedding, QuantLinear, _replace
+    from ktlong.spec import open_gguf
+    from ktlong.weights import QuantEmbedding, QuantLinear, _replace, embed_scale
 
     reader = open_gguf(path)  # a truncated or damaged file: one clear line
     tensors = {t.name: t for t in reader.tensors}
@@ -81,7 +83,8 @@ def load_quantised(path: str, config: Any, dtype: Any, attn: str) -> tuple[Any, 
     if emb_t is None:
         raise KtlongError(f"{path} has no token embedding table (token_embd.weight)")
     table = linear(emb_t, "model.embed_tokens.weight")
-    model.set_input_embeddings(QuantEmbedding(table, dtype))
+    scale = embed_scale(model.get_input_embeddings())  # Gemma: sqrt(hidden)
+    model.set_input_embeddings(QuantEmbedding(table, dtype, scale))
     head_t = find("lm_head.weight")
     model.lm_head = table if head_t is None else linear(head_t, "lm_head.weight")
     for name, mod in list(model.named_modules()):
@@ -102,6 +105,8 @@ def load_quantised(path: str, config: Any, dtype: Any, attn: str) -> tuple[Any, 
                               hint="the file may be for another architecture or incomplete")
         mod_name, _, attr = name.rpartition(".")
         value = torch.from_numpy(_float(t).reshape(p.shape)).to(dtype)
+        if name.endswith("norm.weight"):
+            value -= NORM_SHIFT.get(config.model_type, 0.0)
         setattr(model.get_submodule(mod_name), attr, nn.Parameter(value, requires_grad=False))
     rotary = model.model.rotary_emb
     model.model.rotary_emb = type(rotary)(config=config)  # its buffers were made on meta

@@ -1,6 +1,6 @@
 """`ktlong inspect model` and `ktlong inspect attention`: what a model is, what the selection reads.
 
-`model_info` reads metadata only (`ktlong.model.read_spec`). `observe_attention` opens a document
+`model_info` reads metadata only (`ktlong.spec.read_spec`). `observe_attention` opens a document
 the way the chat does, decodes a few answer tokens while recording every layer's block selection,
 and hands the records to `ktlong.attnmap` for the numbers. The rest of this module renders: rich
 in the terminal, JSON for scripts, and a PNG through matplotlib (the optional `ktlong[plot]`).
@@ -30,7 +30,7 @@ def model_info(path: str | Path, kv_type: str) -> dict[str, Any]:
     """Everything `inspect model` shows, from metadata alone (config.json + safetensors headers,
     or GGUF key/values and tensor infos)."""
     from ktlong.memory import kv_bytes_per_token
-    from ktlong.model import read_spec
+    from ktlong.spec import read_spec
 
     spec = read_spec(path, need_weights=False)  # metadata is enough
     scaling = spec.rope_scaling or {}
@@ -46,6 +46,8 @@ def model_info(path: str | Path, kv_type: str) -> dict[str, Any]:
         "weights_estimated": spec.weights_estimated,
         "has_chat_template": spec.has_chat_template,
         "kv_type": kv_type, "kv_bytes_per_token": kv_bytes_per_token(spec, kv_type),
+        "sliding_window": spec.sliding_window, "sliding_layers": list(spec.sliding_layers),
+        "rope_local_theta": spec.rope_local_theta,
         "fingerprint": spec.fingerprint,
     }
 
@@ -72,7 +74,10 @@ def show_model(path: Path, kv_type: str, as_json: bool) -> None:
         ("model", f"{info['path']} ({'GGUF' if info['format'] == 'gguf' else 'Hugging Face'})"),
         ("architecture", info["arch"]),
         ("parameters", f"{_count(info['n_params'])} ({info['n_params']:,})"),
-        ("layers", str(info["n_layers"])),
+        ("layers", str(info["n_layers"]) + (
+            f" ({len(info['sliding_layers'])} sliding-window: each reads the last "
+            f"{info['sliding_window']:,} tokens, RoPE base {info['rope_local_theta']:g}; KV kept "
+            "for that window only)" if info["sliding_layers"] else "")),
         ("heads", f"{info['n_heads']} query, {info['n_kv_heads']} KV"
                   + (f" (GQA, {g} per KV head)" if g > 1 else "")),
         ("head_dim", str(info["head_dim"])),
@@ -380,7 +385,7 @@ def token_counter(model: Path) -> Any:
     """text -> token count with `model`'s tokenizer (no special tokens); loads no weights."""
     import os
 
-    from ktlong.model import read_spec
+    from ktlong.spec import read_spec
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
     from transformers import AutoTokenizer

@@ -290,6 +290,8 @@ class KVStore:
         # kept with the KV so that a prompt-cache entry brings it back
         self.layer_cos_sum = np.zeros(L, np.float64)
         self.layer_cos_tokens = 0
+        # a prompt-cache entry's sliding-window rows (ktlong.slidingkv), for the session it opens
+        self.window_rows: np.ndarray | None = None
         # mapped KV (a cache entry's base, the disk tier): pages a step reads (and their
         # neighbours: the page cache works in large folios) stay mapped, and in RSS, until
         # released; `check_resident` bounds them

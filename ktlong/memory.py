@@ -45,7 +45,7 @@ _DEFAULTS = Settings()
 
 @dataclass(frozen=True)
 class ReferenceShape:
-    """The fields of `ktlong.model.ModelSpec` that sizing reads, for when no model is given."""
+    """The fields of `ktlong.spec.ModelSpec` that sizing reads, for when no model is given."""
 
     path: str = "reference shape: an 8B GQA model in BF16 (Llama-3.1-8B: 32 layers, 8 KV heads, " \
                 "head_dim 128)"
@@ -75,9 +75,21 @@ def kv_types_for(spec: Any, kv_types: Sequence[str] = SHOWN_KV_TYPES) -> list[st
     return [t for t in kv_types if t not in ("Q8_0", "Q4_0") or spec.head_dim % 32 == 0]
 
 
+def kv_layer_count(spec: Any) -> int:
+    """The layers whose KV grows with the context (a sliding-window layer's does not)."""
+    return spec.n_layers - len(getattr(spec, "sliding_layers", ()))
+
+
 def kv_bytes_per_token(spec: Any, kv_type: str) -> int:
-    """K and V of every layer: 2 * layers * kv_heads * bytes per head row."""
-    return 2 * spec.n_layers * spec.n_kv_heads * kv_row_bytes(kv_type, spec.head_dim)
+    """K and V of every layer that reads the whole context: 2 * layers * kv_heads * row bytes."""
+    return 2 * kv_layer_count(spec) * spec.n_kv_heads * kv_row_bytes(kv_type, spec.head_dim)
+
+
+def window_bytes(spec: Any) -> int:
+    """The sliding-window layers' rows (ktlong/slidingkv.py: `window` float32 rows a layer),
+    the same at any context length."""
+    n = len(getattr(spec, "sliding_layers", ()))
+    return 2 * n * spec.n_kv_heads * spec.head_dim * 4 * getattr(spec, "sliding_window", 0)
 
 
 def resolve_tier(spec: Any, settings: Any, free_bytes: int | None = None) -> str:
@@ -90,13 +102,13 @@ def resolve_tier(spec: Any, settings: Any, free_bytes: int | None = None) -> str
 
 
 def dram_need(spec: Any, kv_type: str, tokens: int, weights_in_dram: bool = True) -> int:
-    kv = kv_bytes_per_token(spec, kv_type) * tokens
+    kv = kv_bytes_per_token(spec, kv_type) * tokens + window_bytes(spec)
     return int(kv * (1 + KV_MARGIN)) + (spec.weights_bytes if weights_in_dram else 0) + OS_RESERVE
 
 
 def gpu_need(spec: Any, kv_type: str, tokens: int) -> int:
     """Prefill peak on the device: weights + one layer's K,V at `tokens` + one chunk."""
-    one_layer = kv_bytes_per_token(spec, kv_type) * tokens // spec.n_layers
+    one_layer = kv_bytes_per_token(spec, kv_type) * tokens // kv_layer_count(spec)
     return spec.weights_bytes + one_layer + GPU_ACTIVATIONS
 
 
@@ -105,6 +117,7 @@ def recommend_max_seq_len(spec: Any, kv_type: str, free_bytes: int,
     """Largest multiple of 1024 tokens whose `dram_need` fits in `free_bytes`, capped at the
     model's own max positions and the largest max_seq_len; 0 when not even 1024 tokens fit."""
     usable = free_bytes - OS_RESERVE - (spec.weights_bytes if weights_in_dram else 0)
+    usable -= window_bytes(spec) * (1 + KV_MARGIN)
     per_token = kv_bytes_per_token(spec, kv_type) * (1 + KV_MARGIN)
     tokens = max(min(int(usable / per_token), MAX_SEQ_LEN) // 1024 * 1024, 0)
     if spec.max_positions and spec.max_positions > 0:
@@ -124,17 +137,17 @@ def anchor_bytes(spec: Any, tokens: int, settings: Any = _DEFAULTS) -> int:
     """The block anchors (always in DRAM): one 8-bit row with its scale per anchor, KV head,
     block and layer."""
     blocks = -(-tokens // settings.block_size)
-    return (spec.n_layers * spec.n_kv_heads * blocks * settings.anchor_num
+    return (kv_layer_count(spec) * spec.n_kv_heads * blocks * settings.anchor_num
             * (spec.head_dim + ANCHOR_EXTRA))
 
 
 def resident_bytes(spec: Any, kv_type: str, tokens: int, settings: Any = _DEFAULTS) -> int:
     """Disk tier: the KV one decode step reads, which the page cache keeps in DRAM."""
-    per_layer = kv_bytes_per_token(spec, kv_type) // spec.n_layers
-    dense = spec.n_layers if settings.attention == "DENSE" else min(settings.dense_layer_num,
-                                                                     spec.n_layers)
+    n_layers = kv_layer_count(spec)
+    per_layer = kv_bytes_per_token(spec, kv_type) // n_layers
+    dense = n_layers if settings.attention == "DENSE" else min(settings.dense_layer_num, n_layers)
     window = min(tokens, step_tokens(settings))
-    return per_layer * (dense * tokens + (spec.n_layers - dense) * window)
+    return per_layer * (dense * tokens + (n_layers - dense) * window)
 
 
 def disk_tier_dram(spec: Any, kv_type: str, tokens: int, settings: Any = _DEFAULTS,
@@ -464,6 +477,8 @@ def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
         "reference": isinstance(spec, ReferenceShape),
         "arch": spec.arch,
         "n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+        "sliding_layers": len(getattr(spec, "sliding_layers", ())),
+        "sliding_window": getattr(spec, "sliding_window", 0),
         "max_positions": spec.max_positions,
         "full_context": full_context(spec),
         "kv_type": kv_type.upper() if kv_type else None,  # the --kv-type asked for, if any

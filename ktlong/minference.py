@@ -78,7 +78,8 @@ class Plan:
 def default_plan(spec: Any, s: Settings) -> Plan:
     head = HeadPattern("vs", s.prefill_vertical, s.prefill_slash)
     row = (head,) * spec.n_heads
-    return Plan((row,) * spec.n_layers, f"default (vs {s.prefill_vertical} {s.prefill_slash})")
+    return Plan((row,) * len(spec.kv_layers),
+                f"default (vs {s.prefill_vertical} {s.prefill_slash})")
 
 
 def tuned_path(spec: Any) -> Path:
@@ -116,9 +117,9 @@ def read_plan(path: Path, spec: Any) -> Plan:
                           f"{str(data.get('model'))[:12]}, this one {spec.fingerprint[:12]})",
                           hint=fix)
     rows = data["layers"]
-    if len(rows) != spec.n_layers or any(not isinstance(r, list) or len(r) != spec.n_heads
+    if len(rows) != len(spec.kv_layers) or any(not isinstance(r, list) or len(r) != spec.n_heads
                                          for r in rows):
-        raise KtlongError(f"{path}: needs {spec.n_layers} layers of {spec.n_heads} heads",
+        raise KtlongError(f"{path}: needs {len(spec.kv_layers)} layers of {spec.n_heads} heads",
                           hint=fix)
     layers = tuple(tuple(parse_head(t, f"{path}: layer {li}") for t in row)
                    for li, row in enumerate(rows))

@@ -26,8 +26,9 @@ def run(
     from ktlong import chatui, render
     from ktlong.conversation import Conversation
     from ktlong.documents import read_document
-    from ktlong.model import load_model, read_spec
+    from ktlong.model import load_model
     from ktlong.promptcache import open_document
+    from ktlong.spec import read_spec
 
     if model is None:
         raise KtlongError(

@@ -5,7 +5,8 @@ One entry is one file, `<key>.ktkv`, in the KV store's own layout so it maps str
   token ids int32 [n] | per layer: K, V [Hkv, nb, bs, row] of the full blocks (storage format:
   row = d values, or a quantised row's bytes), anchors Q8 [Hkv, nb, A, d + 4]
   (kernels/anchors.py; version 1: BF16 bits [Hkv, nb, A, d], still read), K, V [Hkv, rem, row]
-  of the partial last block;
+  of the partial last block; then, for a model with sliding-window layers (Gemma 3), their last
+  `window` rows, f32 [layers, 2, Hkv, window, d] (ktlong/slidingkv.py);
 each section aligned to 4 KiB. The header names the model, tokenizer, kv_type, block_size and RoPE
 (the key: everything that changes KV contents, nothing else), a CRC-32 per layer, checked on
 load, and each layer's input/output cosine summed over the prefill (`layer_budget: SQUEEZE`;
@@ -39,7 +40,8 @@ from ktlong.errors import KtlongError
 from ktlong.kernels import Q8_EXTRA, kv_to_f64, q8_encode
 from ktlong.kvstore import KV_TYPES, KVStore, StoreShape, row_elems
 from ktlong.minference import prefill_key
-from ktlong.model import LoadedModel, ModelSpec
+from ktlong.model import LoadedModel
+from ktlong.spec import ModelSpec
 from ktlong.weights import bf16_prefill
 
 MAGIC = b"KTLONGKV"
@@ -88,7 +90,7 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "block_size": settings.block_size,
         "rope_theta": spec.rope_theta,
         "rope_scaling": spec.rope_scaling,
-        "shape": [spec.n_layers, spec.n_kv_heads, spec.head_dim],
+        "shape": [len(spec.kv_layers), spec.n_kv_heads, spec.head_dim],  # the store's layers
     }
     key.update(prefill_key(spec, settings))  # a windowed or sparse prefill makes other KV
     if bf16_prefill(spec.hidden_size, settings.prefill_matmul):  # BF16 products: other KV
@@ -147,19 +149,29 @@ def _layout(h: dict[str, Any]) -> dict[str, int]:
     }
 
 
+def _window_bytes(h: dict[str, Any]) -> int:
+    """Bytes of the sliding-window rows' section (0 for a model without such layers)."""
+    w = h.get("window")
+    if not w:
+        return 0
+    _, H, d = h["content"]["shape"]
+    return w["layers"] * 2 * H * w["rows"] * d * 4
+
+
 def verify(path: Path, header: dict[str, Any], offset: int) -> float:
     """Check size and every layer's CRC by plain reads (not through the map: RSS stays flat)."""
     t0 = time.perf_counter()
     per_layer = _layout(header)["layer"]
     ids_bytes = _align(header["n_tokens"] * 4)
-    size = offset + ids_bytes + per_layer * header["content"]["shape"][0]
+    win = _align(_window_bytes(header))
+    size = offset + ids_bytes + per_layer * header["content"]["shape"][0] + win
     if path.stat().st_size != size:
         raise DamagedEntry(f"truncated ({path.stat().st_size} of {size} bytes)")
     buf = bytearray(1 << 22)
     crcs = []
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
-        for want in [ids_bytes] + [per_layer] * len(header["layer_crc"]):
+        for want in [ids_bytes] + [per_layer] * len(header["layer_crc"]) + ([win] if win else []):
             crc, left = 0, want
             while left:
                 n = f.readinto(memoryview(buf)[: min(left, len(buf))])
@@ -170,7 +182,8 @@ def verify(path: Path, header: dict[str, Any], offset: int) -> float:
         # leave the page cache as it was: otherwise every later fault on the map pulls in the
         # cached neighbours of the block it needs (fault-around), and RSS tracks the file size
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if crcs != [header["ids_crc"], *header["layer_crc"]]:
+    want = [header["ids_crc"], *header["layer_crc"]] + ([header["window"]["crc"]] if win else [])
+    if crcs != want:
         raise DamagedEntry("checksum mismatch (the file was modified or damaged)")
     return time.perf_counter() - t0
 
@@ -224,6 +237,10 @@ def map_entry(
     store = KVStore(shape, capacity, base=(ks, vs), base_anchors=anchors or None, nb_base=n_base)
     for layer, (tk_, tv_) in enumerate(tails):  # the last block(s) go to the writable tail
         store.write_rows(layer, tk_, tv_)
+    w = header.get("window")
+    if w:  # the sliding-window layers' last rows
+        store.window_rows = np.array(np.memmap(path, np.float32, "r", o,
+                                               (w["layers"], 2, H, w["rows"], d)))
     cos = header.get("layer_cos")  # absent in entries older than layer_budget: UNIFORM then
     if isinstance(cos, dict) and len(cos.get("sum", ())) == L and cos.get("tokens", 0) > 0:
         store.add_layer_cos(np.asarray(cos["sum"], np.float64), int(cos["tokens"]))
@@ -297,6 +314,10 @@ def write_entry(
                     crc = section(f, [_raw(np.ascontiguousarray(r))], sz["rem"], crc)
                 crcs.append(crc)
             header.update(ids_crc=ids_crc, layer_crc=crcs)
+            if session.window is not None:
+                rows = session.window.state(n)  # [layers, 2, Hkv, window, d]
+                crc = section(f, [_raw(rows)], rows.nbytes, 0)
+                header["window"] = {"layers": rows.shape[0], "rows": rows.shape[3], "crc": crc}
             raw = json.dumps(header).encode()
             if 20 + len(raw) > HEADER_ROOM:
                 raise KtlongError("cache header too large")
@@ -466,6 +487,7 @@ def convert_store(src: KVStore, shape: StoreShape, capacity: int,
         if src.mapped:
             src.release_mapped()
     dst.copy_layer_cos(src)
+    dst.window_rows = src.window_rows
     return dst
 
 

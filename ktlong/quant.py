@@ -9,6 +9,10 @@ the `gguf` package's reference code.
 Layouts (ggml's, little-endian; f16 = IEEE half):
 - Q8_0  [32]:  d f16 | q int8[32]                  x = d * q
 - Q4_0  [32]:  d f16 | qs u8[16]                   x[i] = d * ((qs[i] & 15) - 8), x[i+16]: >> 4
+- Q4_1  [32]:  d, m f16 | qs u8[16]                x[i] = d * (qs[i] & 15) + m, x[i+16]: >> 4
+- Q5_0  [32]:  d f16 | qh u32 | qs u8[16]          x[i] = d * (q[i] - 16), 5-bit q[i]: the nibble
+               as Q4_0 (qs[i] & 15, x[i+16]: qs[i] >> 4) | bit i of qh << 4
+- Q5_1  [32]:  d, m f16 | qh u32 | qs u8[16]       x[i] = d * q[i] + m, q[i] as Q5_0's
 - Q4_K  [256]: d, dmin f16 | scales u8[12] | qs u8[128]
                8 sub-blocks of 32, 6-bit scale sc and min m each: x = d*sc*q - dmin*m;
                qs[32c + i]: low nibble = sub-block 2c element i, high nibble = sub-block 2c+1
@@ -44,6 +48,9 @@ TYPES = {t.name: t for t in (
     QType("F32", 0, 1, 4),
     QType("F16", 1, 1, 2),
     QType("Q4_0", 2, 32, 18),
+    QType("Q4_1", 3, 32, 20),
+    QType("Q5_0", 6, 32, 22),
+    QType("Q5_1", 7, 32, 24),
     QType("Q8_0", 8, 32, 34),
     QType("Q4_K", 12, 256, 144),
     QType("Q5_K", 13, 256, 176),
@@ -72,7 +79,7 @@ def quantize(x: np.ndarray, qtype: str) -> np.ndarray:
     if qtype in ("F32", "F16"):
         return x.astype(np.float32 if qtype == "F32" else np.float16).view(np.uint8)
     blocks = x.reshape(-1, t.block)
-    if qtype in ("Q8_0", "Q4_0", "BF16"):
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16"):
         import gguf
 
         return gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype]).view(np.uint8)

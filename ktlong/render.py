@@ -49,8 +49,11 @@ def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None)
            else f"model {escape(r['model'])} ({r['arch']})")
     out.print(src)
     per = ", ".join(f"{t} [bold]{r['kv_bytes_per_token'][t]:,}[/]" for t in types)
-    out.print(f"{r['n_layers']} layers x {r['n_kv_heads']} KV heads x head_dim {r['head_dim']}; "
-              f"KV bytes per token: {per}")
+    local = (f" ({r['sliding_layers']} of them sliding-window layers holding "
+             f"{r['sliding_window']:,} tokens, whatever the length)" if r.get("sliding_layers")
+             else "")
+    out.print(f"{r['n_layers']} layers{local} x {r['n_kv_heads']} KV heads x head_dim "
+              f"{r['head_dim']}; KV bytes per token: {per}")
     estimate = ("~", ", an estimate from config.json: the folder has no weight files") \
         if r.get("weights_estimated") else ("", "")
     out.print(f"weights {estimate[0]}{memory.gb(r['weights_bytes'])} (in {r['weights_on']}"

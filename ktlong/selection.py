@@ -27,7 +27,7 @@ import torch
 from ktlong import kernels, squeeze
 from ktlong.config import Settings
 from ktlong.kvstore import KVStore
-from ktlong.model import ModelSpec
+from ktlong.spec import ModelSpec
 
 _NONE = np.zeros(0, np.int32)
 
@@ -83,8 +83,8 @@ class SelectionPolicy:
         self.head_dim = spec.head_dim
         self._turns: kernels.Turns | None = None  # block_positions COMPACT's query turns
         self._preselect_upto = 0  # blocks complete when the vote was taken
-        self._dynamic_upto = [0] * spec.n_layers  # blocks with DYNAMIC (vote-based) anchors
-        self.n_layers = spec.n_layers
+        self.n_layers = store.shape.n_layers  # the layers the store holds (spec.kv_layers)
+        self._dynamic_upto = [0] * self.n_layers  # blocks with DYNAMIC (vote-based) anchors
         self.set_layer_budgets(store.layer_similarity())
         self.reset_counters()
 

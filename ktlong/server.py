@@ -478,7 +478,8 @@ def run(model: Path | None, prompt_file: str | list[str] | None, settings: Setti
 
     from ktlong import chatui
     from ktlong.documents import read_document
-    from ktlong.model import load_model, read_spec
+    from ktlong.model import load_model
+    from ktlong.spec import read_spec
 
     if model is None:
         raise KtlongError("no model given", hint="pass --model with a Hugging Face folder or a "

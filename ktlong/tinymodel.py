@@ -152,8 +152,8 @@ def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(hf_dir: str | Path, out_file: str | Path, tensor_type: str = "F32") -> Path:
     """Export an HF folder written by `make_model` to one GGUF file.
 
-    `tensor_type` is F32, F16, BF16 or a type ktlong.quant quantises (Q8_0, Q4_0, Q4_K, Q5_K,
-    Q6_K) for the 2-D weights; norms stay F32.
+    `tensor_type` is F32, F16, BF16 or a type ktlong.quant quantises (Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q4_K, Q5_K, Q6_K) for the 2-D weights; norms stay F32.
     """
     import gguf
     from safetensors.torch import load_file

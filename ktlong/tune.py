@@ -91,7 +91,7 @@ def search(lm: Any, settings: Settings, ids: list[int], budget: int, queries: in
     q_start = n - r
     g = spec.n_heads // spec.n_kv_heads
     plan, table = [], []
-    for layer in range(spec.n_layers):
+    for layer in range(len(spec.kv_layers)):
         kv = sess.store.kernel_views(layer)[0]
         k = sess.store.token_range(layer, 0, n)[0].numpy()  # [Hkv, n, d]
         q = captured[layer].numpy()  # [Hq, r, d]
@@ -113,7 +113,8 @@ def main(model: Path | None, prompt_file: str | None, settings: Settings, tokens
          budget: int, queries: int, out: Path | None, as_json: bool) -> dict[str, Any]:
     from ktlong import chatui, render
     from ktlong.conversation import Conversation
-    from ktlong.model import load_model, read_spec
+    from ktlong.model import load_model
+    from ktlong.spec import read_spec
 
     if model is None:
         from ktlong.demo.accuracy import default_model

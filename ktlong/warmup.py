@@ -261,7 +261,7 @@ def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
         preselect_window=min(settings.preselect_window, 64),
         question_window=min(settings.question_window, 8), prefill_vertical=16,
         prefill_slash=16, prefill_patterns="")
-    spec = dataclasses.replace(lm.spec, n_layers=2, n_heads=hq, n_kv_heads=hkv)
+    spec = dataclasses.replace(lm.spec, n_layers=2, n_heads=hq, n_kv_heads=hkv, sliding_layers=())
     dev = lm.device
     local = dev if settings.gpu_local_window and dev.type == "cuda" else None
     gen = torch.Generator().manual_seed(0)

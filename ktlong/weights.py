@@ -87,14 +87,16 @@ class HalfLinear(nn.Module):
 class HalfEmbedding(nn.Module):
     """`nn.Embedding` over 16-bit rows, widened to `dtype` as they are looked up."""
 
-    def __init__(self, bits: torch.Tensor, half: torch.dtype, dtype: torch.dtype) -> None:
+    def __init__(self, bits: torch.Tensor, half: torch.dtype, dtype: torch.dtype,
+                 scale: float = 1.0) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = bits.shape
-        self.half, self.dtype = half, dtype
+        self.half, self.dtype, self.scale = half, dtype, scale
         self.register_buffer("bits", bits)  # [vocab, hidden] int16
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., hidden]
-        return F.embedding(ids, self.bits).view(self.half).to(self.dtype)
+        out = F.embedding(ids, self.bits).view(self.half).to(self.dtype)
+        return out if self.scale == 1.0 else out.mul_(self.scale)
 
 
 class QuantLinear(nn.Module):
@@ -187,9 +189,10 @@ def _widen(bits: np.ndarray, kind: int) -> np.ndarray:
 class QuantEmbedding(nn.Module):
     """`nn.Embedding` over a GGUF table [vocab, row_bytes]: rows dequantised as looked up."""
 
-    def __init__(self, table: QuantLinear, dtype: torch.dtype) -> None:
+    def __init__(self, table: QuantLinear, dtype: torch.dtype, scale: float = 1.0) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype  # shares the head's module when tied
+        self.scale = scale  # Gemma multiplies its embeddings by sqrt(hidden)
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., hidden]
@@ -201,8 +204,15 @@ class QuantEmbedding(nn.Module):
             out = rows.astype(np.float32) if kind == 0 else _widen(rows, kind)
         else:
             out = kernels.dequant_rows(t.raw, t.qt.ggml, t.in_features, flat)
-        return torch.from_numpy(np.ascontiguousarray(out)).to(self.dtype).reshape(
-            *ids.shape, self.embedding_dim)
+        out = torch.from_numpy(np.ascontiguousarray(out)).to(self.dtype)
+        if self.scale != 1.0:
+            out = out * self.scale
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+
+def embed_scale(emb: nn.Module) -> float:
+    """What a model's own embedding multiplies its rows by (Gemma: sqrt(hidden)), else 1."""
+    return float(getattr(emb, "scalar_embed_scale", 1.0))
 
 
 MLP_BLOCK_FLOATS = 1 << 20  # float32 elements of one [rows, block] slice of the MLP's inside
@@ -223,23 +233,36 @@ def _block(lin: nn.Module, r0: int, r1: int, c0: int, c1: int,
     return lin.weight[r0:r1, c0:c1].to(dtype)
 
 
+def _silu(g: torch.Tensor) -> torch.Tensor:
+    return F.silu(g, inplace=True)
+
+
+def _gelu_tanh(g: torch.Tensor) -> torch.Tensor:
+    return F.gelu(g, approximate="tanh")
+
+
+_GATE_ACTS = {"SiLU": _silu, "SiLUActivation": _silu,  # Llama, Qwen, Mistral
+              "GELUTanh": _gelu_tanh, "PytorchGELUTanh": _gelu_tanh}  # Gemma
+
+
 class GatedMLP(nn.Module):
-    """A SiLU-gated MLP (Llama, Qwen, Mistral) that never holds the whole [rows, intermediate]
-    activations: with several rows it runs over slices of the intermediate dimension (gate and up
-    rows, down columns), so a 1024-token prefill chunk holds slices of at most 4 MB, not four full
-    [rows, intermediate] tensors. One row (decode) goes straight through, in place."""
+    """A gated MLP (SiLU: Llama, Qwen, Mistral; tanh-GELU: Gemma) that never holds the whole
+    [rows, intermediate] activations: with several rows it runs over slices of the intermediate
+    dimension (gate and up rows, down columns), so a 1024-token prefill chunk holds slices of at
+    most 4 MB, not four full [rows, intermediate] tensors. One row (decode) goes straight
+    through."""
 
     mm_dtype = torch.float32  # prefill matmul precision (set_prefill_matmul)
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act = _GATE_ACTS[type(mlp.act_fn).__name__]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., hidden]
         rows = x.numel() // x.shape[-1]
         if rows == 1:
-            g = self.gate_proj(x)  # [..., intermediate]
-            F.silu(g, inplace=True)
+            g = self.act(self.gate_proj(x))  # [..., intermediate]
             return self.down_proj(g.mul_(self.up_proj(x)))
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         dt = self.mm_dtype
@@ -256,11 +279,11 @@ class GatedMLP(nn.Module):
         out = torch.zeros(rows, hidden)
         for j0 in range(0, inter, step):
             j1 = min(inter, j0 + step)
-            g = F.linear(x2, _block(gate, j0, j1, 0, hidden, dt), _bias(gate, j0, j1, dt))
-            F.silu(g, inplace=True)  # [rows, j]
+            g = self.act(F.linear(x2, _block(gate, j0, j1, 0, hidden, dt),
+                                  _bias(gate, j0, j1, dt)))  # [rows, j]
             g.mul_(F.linear(x2, _block(up, j0, j1, 0, hidden, dt), _bias(up, j0, j1, dt)))
             if dt == torch.float32:
-                out.addmm_(g, _block(down, 0, hidden, j0, j1).t())  # [rows, hidden]
+                out.addmm_(g, _block(down, 0, hidden, j0, j1, dt).t())  # [rows, hidden]
             else:  # a 16-bit product, summed over the slices in float32
                 out += torch.mm(g, _block(down, 0, hidden, j0, j1, dt).t())
         if down.bias is not None:
@@ -274,11 +297,11 @@ def _bias(lin: nn.Module, j0: int, j1: int,
 
 
 def gate_mlps_in_place(model: nn.Module) -> int:
-    """Swap every SiLU-gated MLP for `GatedMLP` (inference only); returns how many."""
+    """Swap every gated MLP for `GatedMLP` (inference only); returns how many."""
     found = [
         (name, mod) for name, mod in model.named_modules()
         if all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj"))
-        and type(getattr(mod, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+        and type(getattr(mod, "act_fn", None)).__name__ in _GATE_ACTS
     ]
     for name, mod in found:
         _replace(model, name, GatedMLP(mod))
@@ -297,7 +320,7 @@ def compact(model: nn.Module, half: torch.dtype, dtype: torch.dtype = torch.floa
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is emb.weight
     shared = emb.weight.detach().to(half).view(torch.int16)  # [vocab, hidden]
-    model.set_input_embeddings(HalfEmbedding(shared, half, dtype))
+    model.set_input_embeddings(HalfEmbedding(shared, half, dtype, embed_scale(emb)))
     for name, mod in list(model.named_modules()):
         if not isinstance(mod, nn.Linear) or (half == torch.bfloat16 and mod.in_features % 2):
             continue

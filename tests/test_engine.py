@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from ktlong.engine import Sampling, Session
 from ktlong.errors import KtlongError
-from ktlong.model import load_model, read_spec
+from ktlong.model import load_model
+from ktlong.spec import read_spec
 from ktlong.tinymodel import filler_text
 
 from .models import ARCHS, gguf_model, hf_model, settings

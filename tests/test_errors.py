@@ -16,7 +16,8 @@ from ktlong import memory
 from ktlong.cli import app
 from ktlong.config import MAX_SEQ_LEN
 from ktlong.errors import KtlongError
-from ktlong.model import load_model, read_spec
+from ktlong.model import load_model
+from ktlong.spec import read_spec
 
 from .models import ARCHS, gguf_model, hf_model
 

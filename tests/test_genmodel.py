@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ktlong.bench import genmodel
-from ktlong.model import load_model, read_spec
+from ktlong.model import load_model
+from ktlong.spec import read_spec
 
 SMALL = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, vocab=1024)
 

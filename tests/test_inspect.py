@@ -18,7 +18,8 @@ from ktlong.attnmap import INIT, LOCAL, LayerStats, analyse, block_mass, local_s
 from ktlong.cli import app
 from ktlong.config import resolve_settings
 from ktlong.inspect import chat_prompt, map_rows, observe_attention, record_decode
-from ktlong.model import load_model, read_spec
+from ktlong.model import load_model
+from ktlong.spec import read_spec
 from ktlong.tinymodel import filler_text
 
 from .models import gguf_model, hf_model, settings

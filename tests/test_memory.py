@@ -74,7 +74,7 @@ def test_report_is_plain_data() -> None:
 
 
 def test_report_from_a_model_folder(shape_dir: Callable[..., Path]) -> None:
-    from ktlong.model import read_spec
+    from ktlong.spec import read_spec
 
     spec = read_spec(shape_dir())
     r = memory.report(spec, "FP16", 100 * 10**9, None)
@@ -322,7 +322,8 @@ def test_quantised_gguf_is_budgeted_as_the_file_it_is_read_from():
     mapped file (norms are copied to float32, a few KB)."""
     import gguf
 
-    from ktlong.model import load_model, read_spec
+    from ktlong.model import load_model
+    from ktlong.spec import read_spec
     from ktlong.weights import QuantLinear
     from tests.models import gguf_model
 

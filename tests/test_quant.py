@@ -13,27 +13,48 @@ from torch import nn
 from ktlong import kernels, quant
 from ktlong.engine import Sampling, Session
 from ktlong.ggufload import qk_order
-from ktlong.model import load_model, read_spec
+from ktlong.model import load_model
+from ktlong.spec import read_spec
 from ktlong.weights import QuantEmbedding, QuantLinear
 
 from .models import gguf_model, hf_model, settings
 from .test_engine import _prompt, _stock
 
-QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
-# the f16 fields of each block (byte offsets): scales d (and dmin)
-_HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+LEGACY = ("Q4_1", "Q5_0", "Q5_1")  # the 32-blocks of small models' Q4_K_M files, beside Q8_0
+# the f16 fields of each block (byte offsets): scales d (and dmin / the legacy min m)
+_HALVES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_QH = {"Q5_0": 2, "Q5_1": 4}  # byte offset of the legacy 5-bit types' qh (u32)
 
 
 def random_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     """Random bytes in `qtype`'s layout [rows, row_bytes]: every code, 6-bit scale, min and
-    Q6_K sign pattern occurs; the f16 scales are finite, of both signs."""
+    Q6_K sign pattern occurs; the f16 scales are finite, of both signs, some exactly 0; a legacy
+    Q5's qh is all ones in some blocks, all zeros in others."""
     t = quant.TYPES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows * k // t.block, t.nbytes), dtype=np.uint8)
     for o in _HALVES[qtype]:
         d = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
+        d[rng.integers(0, 7, raw.shape[0]) == 0] = 0  # ~1 block in 7 has a 0 scale (or min)
         raw[:, o:o + 2] = d.view(np.uint8).reshape(-1, 2)
+    if qtype in _QH:
+        raw[0::3, _QH[qtype]:_QH[qtype] + 4] = 255
+        raw[1::3, _QH[qtype]:_QH[qtype] + 4] = 0
     return raw.reshape(rows, t.row_bytes(k))
+
+
+@pytest.mark.parametrize("qtype", LEGACY)
+def test_random_blocks_cover_every_sign_and_scale_case(qtype):
+    t = quant.TYPES[qtype]
+    blocks = random_blocks(qtype, 9, 512, seed=t.ggml).reshape(-1, t.nbytes)
+    for o in _HALVES[qtype]:  # d (and m): negative, zero and positive
+        h = blocks[:, o:o + 2].copy().view(np.float16)[:, 0]
+        assert (h < 0).any() and (h == 0).any() and (h > 0).any()
+    if qtype in _QH:
+        qh = blocks[:, _QH[qtype]:_QH[qtype] + 4].copy().view(np.uint32)[:, 0]
+        assert (qh == 0xFFFFFFFF).any() and (qh == 0).any()
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -73,6 +94,18 @@ def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
     assert np.abs(fast - wd @ x).max() <= 0.02 * np.abs(wd @ x).max()
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", *LEGACY])
+def test_qgemv_over_an_odd_number_of_32_blocks_takes_the_float_path(qtype):
+    """The int8 path takes two 32-blocks a step: a row of 19 blocks goes the float way, exact up
+    to float32 sums (no int8 rounding of x)."""
+    t, k = quant.TYPES[qtype], 19 * 32
+    raw = random_blocks(qtype, 21, k, seed=3)
+    x = np.random.default_rng(3).standard_normal(k).astype(np.float32)
+    want = kernels.qgemv_ref(raw, t.ggml, x)
+    np.testing.assert_allclose(kernels.qgemv(raw, t.ggml, x), want, rtol=1e-4,
+                               atol=1e-5 * np.abs(want).max())
+
+
 def test_qgemv_ref_is_the_gguf_dequantisation_times_x():
     raw = random_blocks("Q4_K", 4, 256)
     x = np.ones(256, np.float32)
@@ -80,11 +113,13 @@ def test_qgemv_ref_is_the_gguf_dequantisation_times_x():
                                quant.dequantize_ref(raw, "Q4_K", 256).sum(1), rtol=1e-6)
 
 
-@pytest.mark.parametrize("qtype,bound", [("Q8_0", 0.005), ("Q4_0", 0.13), ("Q4_K", 0.07),
+@pytest.mark.parametrize("qtype,bound", [("Q8_0", 0.005), ("Q4_0", 0.13), ("Q4_1", 0.07),
+                                         ("Q5_0", 0.07), ("Q5_1", 0.035), ("Q4_K", 0.07),
                                          ("Q5_K", 0.035), ("Q6_K", 0.02)])
 def test_quantise_round_trip_error_is_bounded(qtype, bound):
     """Error over each row's largest |x|: half a step, plus one step where a format has one level
-    fewer on one side (Q4_0: -8d..7d), plus the rounding of 6-bit K-quant scales."""
+    fewer on one side (Q4_0: -8d..7d, Q5_0: -16d..15d), plus the rounding of 6-bit K-quant
+    scales."""
     x = np.random.default_rng(1).standard_normal((16, 512)).astype(np.float32)
     x[3] = 0.0  # an all-zero row: scales 0, no NaN
     x[5] = np.abs(x[5])  # all positive: the K-quant min is 0
@@ -117,7 +152,7 @@ def test_qk_order_undoes_llama_cpp_permutation():
     np.testing.assert_array_equal(file_rows[qk_order(32, 4)], w)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "F16", "F32"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", *LEGACY, "F16", "F32"])
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_quant_linear_equals_linear_over_the_dequantised_weight(qtype, rows, monkeypatch):
     from ktlong import weights
@@ -149,7 +184,7 @@ def test_quant_embedding_looks_up_dequantised_rows():
     torch.testing.assert_close(emb(ids), ref, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", *LEGACY])
 def test_quantised_gguf_decodes_the_tokens_transformers_decodes_from_the_same_file(qtype):
     path = gguf_model("llama", qtype)
     lm = load_model(path, device="CPU")
@@ -203,7 +238,7 @@ def test_spec_counts_gguf_weights_at_their_size_in_the_file():
     assert spec.weights_bytes == file_bytes
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", *LEGACY, "Q4_K", "Q5_K", "Q6_K"])
 def test_dequant_to_bf16_is_the_reference_rounded_to_bf16(qtype):
     from ktlong.kernels.qlinear import BLOCK
 

@@ -123,7 +123,7 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
 
     from ktlong.bench.e2e import LLAMACPP_KV
     from ktlong.bench.llamastate import row_bytes, seq_state
-    from ktlong.model import read_spec
+    from ktlong.spec import read_spec
 
     flash, ggml_type = LLAMACPP_KV[runtime]
     spec = read_spec(model)

@@ -152,7 +152,7 @@ def _run_llamacpp(gguf: str, ids: list[int], new: int, threads: int, runtime: st
                   runs: int) -> dict:
     import llama_cpp
 
-    from ktlong.model import read_spec
+    from ktlong.spec import read_spec
 
     flash, kv_type = LLAMACPP_KV[runtime]
     llm = llama_cpp.Llama(
@@ -326,7 +326,7 @@ def _prepare(root: Path, contexts: list[int], new_tokens: int, shape: dict[str, 
                     describe=f"random {name} widths, {layers} layers, {weights}",
                     origin=f"{origin}; {path} ({path.stat().st_size / 1e9:.2f} GB)")
     if model is not None:
-        from ktlong.model import read_spec
+        from ktlong.spec import read_spec
 
         spec = read_spec(model)
         tiny = make_model(root / "tiny", spec.arch if spec.arch != "mistral" else "llama",
@@ -381,7 +381,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
     peer_threads = threads or os.cpu_count() or 1
     is_gguf = gen is not None
     if model is not None:
-        from ktlong.model import read_spec
+        from ktlong.spec import read_spec
 
         is_gguf = read_spec(model).format == "gguf"
     if is_gguf:  # transformers would widen the file; llama.cpp reads it as it is

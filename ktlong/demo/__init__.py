@@ -38,7 +38,7 @@ def cost(n_tokens: int, kv_type: str, model: Path | None = None, threads: int = 
     from ktlong import memory
     from ktlong.config import MAX_SEQ_LEN
     from ktlong.errors import KtlongError
-    from ktlong.model import read_spec
+    from ktlong.spec import read_spec
 
     spec = read_spec(model or MODEL_DIR, need_weights=False)
     kv = memory.kv_bytes_per_token(spec, kv_type) * n_tokens

@@ -1,0 +1,138 @@
+"""The two real pretrained models the dev install brings (SmolLM2-135M-Instruct, Q4_1 GGUF;
+Gemma 3 270M, Q4_K_M GGUF with Q5_0 tensors and sliding-window layers), on real prose that the
+project did not write (the license texts Debian ships)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ktlong.config import resolve_settings
+from ktlong.engine import Sampling, Session
+from ktlong.model import load_model
+from ktlong.registry import resolve_model
+
+GPL3 = Path("/usr/share/common-licenses/GPL-3")
+pytestmark = pytest.mark.skipif(not GPL3.exists(), reason="needs Debian's license texts")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def models(home):
+    import os
+
+    old = os.environ.get("KTLONG_HOME")
+    os.environ["KTLONG_HOME"] = str(home)
+    try:
+        yield {name: str(resolve_model(name)) for name in ("smollm2", "gemma3-270m")}
+    finally:
+        if old is None:
+            os.environ.pop("KTLONG_HOME", None)
+        else:
+            os.environ["KTLONG_HOME"] = old
+
+
+def _ids(tokenizer, n: int) -> list[int]:
+    return tokenizer(GPL3.read_text())["input_ids"][:n]
+
+
+def _dense(**kw):
+    return resolve_settings("dense", {"threads_num": 2, "kv_type": "FP32", "max_seq_len": 4096,
+                                      "kv_tier": "RAM", **kw}).settings
+
+
+def _stock(path: str):
+    from transformers import AutoModelForCausalLM
+
+    p = Path(path)
+    return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
+
+
+# Gemma: 700 tokens put every sliding-window layer past its 512-token window
+@pytest.mark.parametrize("name,n", [("smollm2", 600), ("gemma3-270m", 700)])
+def test_dense_greedy_tokens_equal_transformers_on_the_same_gguf(models, name, n):
+    lm = load_model(models[name], device="CPU")
+    assert not lm.warnings  # every tensor read in its file's type, none widened
+    ids = _ids(lm.tokenizer, n)
+    s = Session(lm, _dense())
+    s.prefill(ids)
+    got = [st.token_id for st in s.generate(Sampling(max_new_tokens=12))]
+    stock = _stock(models[name])
+    with torch.no_grad():
+        ref = stock.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    assert got == ref[0, len(ids):].tolist()
+
+
+def test_gemma_keeps_only_the_window_for_its_sliding_layers(models):
+    lm = load_model(models["gemma3-270m"], device="CPU")
+    spec = lm.spec
+    assert (spec.arch, spec.sliding_window, spec.kv_layers) == ("gemma3", 512, (5, 11, 17))
+    s = Session(lm, _dense())
+    s.prefill(_ids(lm.tokenizer, 1500))
+    assert s.store.shape.n_layers == 3 and s.store.length == 1500
+    assert all(s.window.k[layer].shape[1] <= 1500 - 512 + 512 for layer in spec.sliding_layers)
+    # pinned at the document's end: the rows a cut back to it needs, no more
+    assert {s.window.first[layer] for layer in spec.sliding_layers} == {1500 - 512}
+
+
+def test_gemma_prompt_cache_restores_the_sliding_window(models, home, tmp_path):
+    """A question after a cached document reads as after a fresh prefill: the entry carries
+    the sliding-window layers' last rows (without them, those layers would see nothing)."""
+    from ktlong.promptcache import open_document
+
+    lm = load_model(models["gemma3-270m"], device="CPU")
+    ids = _ids(lm.tokenizer, 900)
+    question = lm.tokenizer(" Who may modify it?")["input_ids"][1:]  # no second BOS
+    st = _dense()
+    fresh = Session(lm, st)
+    want = fresh.prefill(ids + question)[-1]
+    first = open_document(lm, st, ids, cache_dir=tmp_path)
+    assert first.source == "prefill" and first.entry is not None
+    again = open_document(lm, st, ids, cache_dir=tmp_path)
+    assert again.source == "cache" and again.session.window is not None
+    got = again.session.prefill(question)[-1]
+    assert int(got.argmax()) == int(want.argmax())
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    again.session.truncate(len(ids))  # back to the document (/reset), then the same again
+    got2 = again.session.prefill(question)[-1]
+    torch.testing.assert_close(got2, got, rtol=1e-4, atol=1e-4)
+
+
+def test_memcheck_counts_gemma_sliding_layers_at_their_window(models, home):
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    r = CliRunner().invoke(app, ["memcheck", "-m", "gemma3-270m", "--json"],
+                           env={"KTLONG_HOME": str(home)})
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["kv_bytes_per_token"]["BF16"] == 2 * 3 * 1 * 256 * 2  # the 3 global layers
+    assert (data["sliding_layers"], data["sliding_window"]) == (15, 512)
+    smol = CliRunner().invoke(app, ["memcheck", "-m", "smollm2", "--json"],
+                              env={"KTLONG_HOME": str(home)})
+    assert json.loads(smol.stdout)["kv_bytes_per_token"]["BF16"] == 2 * 30 * 3 * 64 * 2
+
+
+def test_chat_answers_about_a_real_document(models, home, tmp_path):
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    doc = tmp_path / "license.txt"
+    doc.write_text(GPL3.read_text()[:6000])
+    r = CliRunner().invoke(app, ["chat", "-m", "smollm2", "-f", str(doc), "-q",
+                                 "Which license is this text?", "--max-new-tokens", "24",
+                                 "--json", "--no-cache", "-t", "2"],
+                           env={"KTLONG_HOME": str(home)})
+    assert r.exit_code == 0, r.output
+    answers = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    text = " ".join(str(a.get("answer", a.get("text", ""))) for a in answers)
+    assert "GNU" in text or "General Public" in text, text
