@@ -1,14 +1,18 @@
 """Quantised GGUF weights read in their block layout (ktlong/quant.py documents the layouts).
 
-- `qgemv(w, qtype, x)`: y = W x for one input vector (decode), parallel over output rows. Each
-  row's blocks are dequantised in registers and never stored.
+- `qgemv(w, qtype, x, out=None)`: y = W x for one input vector (decode), parallel over output
+  rows (into `out` when given). Each row's blocks are dequantised in registers and never stored.
 - `dequant(w, qtype, k, r0, r1, c0, c1)`: a float32 tile W[r0:r1, c0:c1] (prefill multiplies tiles
   with torch) and `dequant_rows(w, qtype, k, ids)` (embedding lookups).
 
 `w` is the tensor's raw bytes [N, row_bytes] uint8 (usually a read-only view of the mapped file);
-`qtype` is ggml's type id. The sums of x over each 16 channels are computed once per call, so a
-block's constant term (Q4_0's -8, Q5_0's -16, Q4_1 / Q5_1 / K-quants' mins, Q6_K's -32) costs one
-multiply, not one per weight.
+`qtype` is ggml's type id. A block's constant term (Q4_0's -8, Q5_0's -16, Q4_1 / Q5_1 / K-quants'
+mins, Q6_K's -32) costs one multiply by a sum of x computed once per call, not one per weight.
+
+With AVX512-VNNI (`_qgemv_vnni`) x is rounded to int8 once per call and laid out for the steps of
+kernels/_qvec.py; rows go four at a time, sharing each load of x, with four independent
+accumulators and one horizontal sum for the four. Otherwise `_qgemv` works in float32, a row at a
+time. `qgemv_ref` is the NumPy reference of both.
 """
 from __future__ import annotations
 
@@ -16,27 +20,9 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._qvec import (
-    VNNI,
-    cvt_fma,
-    dot_q6_scales,
-    dot_scales,
-    dp4,
-    dp5,
-    dp6,
-    dp8x2,
-    dp40x2,
-    dp50x2,
-    k4_lanes,
-    lanes2,
-    ld_f16,
-    ld_u32,
-    q6_lanes,
-    vadd_i32,
-    vmul_i32,
-)
+from ._qvec import VNNI, absmax16, codes16, hsum4, ldv, q4k_step, q5k_step, q6k_step, step32
 from ._simd import F32, FASTMATH, readonly, to_bf16, to_f32
-from ._vec import vhsum, vsplat, vzero
+from ._vec import prefetch, vzero
 from .threads import use_threads
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
@@ -235,144 +221,228 @@ def _qgemv(w, qtype, x):
 
 # AVX512-VNNI path (as llama.cpp's): x is rounded to int8, per 32 channels for the 32-blocks (Q8_0,
 # Q4_0, Q4_1, Q5_0, Q5_1) and per 256 for the K-quants; each block's codes meet x's codes in
-# vpdpbusd. 32-blocks scale the int32 lanes by (block scale x dx) in float32; a K-quant super-block
-# sums its sub-blocks' lanes times their integer scales in int32, then scales once. Constant terms
-# (mins, code offsets) use the sums of x's codes, so the result is exactly W times the int8-rounded
-# x.
-_M6, _M4, _M2 = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+# vpdpbusd (kernels/_qvec.py has the steps). Constant terms (mins, code offsets) use the sums of x's
+# codes, so the result is exactly W times the int8-rounded x. Rows go four at a time: the four
+# share each load of x's codes and tables, keep four independent accumulators and end in one
+# horizontal sum.
+AHEAD = 16384  # bytes at least: four rows at a time are four short streams at once, which the
+# hardware prefetcher does not follow; each row prefetches its bytes in the tile this far on (2x on
+# a big matrix of short rows; 1.4x on 8B-width Q6_K rows)
+SERIAL_BYTES = 1 << 20  # smaller weights run on the calling thread alone: starting a parallel
+# region wakes the sleeping OpenMP workers (OMP_WAIT_POLICY=PASSIVE), ~50 us on a 2-vCPU VM, more
+# than such a matrix takes on one core (~40 us for 1 MB)
+_K45_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # Q4_K / Q5_K: x's sub-blocks of 32 as the step reads them
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _x_scale(xa, n):
+    """x's scale (largest |x| / 127) over the n float32 at address xa, and 127 / largest |x|
+    (0 for all zeros)."""
+    m = F32(0)
+    for i in range(0, n, 16):
+        m = max(m, absmax16(xa + 4 * i))
+    return m / F32(127), F32(127) / m if m > 0 else F32(0)
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def _quantise_x(x, group):
-    """x [K] -> int8 codes [K], scale per `group` channels [K/group], codes' sums per 16 [K/16]
-    and per 32 [K/32] (int32)."""
+    """x [K] -> int8 codes [K] (x / its scale, rounded half to even), scale per `group`
+    channels [K/group], codes' sums per 16 [K/16] and per 32 [K/32] (int32)."""
     k = x.shape[0]
     q = np.empty(k, np.int8)
     dx = np.empty(k // group, F32)
     s16 = np.empty(k // 16, np.int32)
     s32 = np.empty(k // 32, np.int32)
+    xa, qa = x.ctypes.data, q.ctypes.data
     for j in range(k // group):
-        m = F32(0)
-        for i in range(group):
-            m = max(m, abs(x[group * j + i]))
-        dx[j] = m / F32(127)
-        inv = F32(127) / m if m > 0 else F32(0)
-        for i in range(group):
-            q[group * j + i] = np.int8(np.int32(np.rint(x[group * j + i] * inv)))
-    for j in range(k // 16):
-        t = np.int32(0)
-        for i in range(16):
-            t += np.int32(q[16 * j + i])
-        s16[j] = t
+        dx[j], inv = _x_scale(xa + 4 * group * j, group)
+        for h in range(group * j // 16, group * (j + 1) // 16):
+            s16[h] = codes16(qa + 16 * h, xa + 64 * h, inv)
     for j in range(k // 32):
         s32[j] = s16[2 * j] + s16[2 * j + 1]
     return q, dx, s16, s32
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _vdot_k(qtype, wa, xa, dx, s16a, s32a, k):
-    """Row at address wa (Q4_K, Q5_K, Q6_K) . x (codes at xa, one scale per 256)."""
-    acc = vzero()
-    corr = F32(0)
-    for b in range(k // 256):
-        xo, dd = xa + 256 * b, dx[b]
-        if qtype == Q6_K:
-            o = wa + 210 * b
-            l0, l1, l2, l3 = q6_lanes(o + 192)
-            p0 = dp6(vzero(), o, 0, o + 128, 0, xo)  # weights 0-63 of the super-block
-            p1 = dp6(vzero(), o, 4, o + 128, 4, xo + 64)
-            p2 = dp6(vzero(), o + 64, 0, o + 160, 0, xo + 128)
-            p3 = dp6(vzero(), o + 64, 4, o + 160, 4, xo + 192)
-            d = ld_f16(o + 208) * dd
-            corr += d * F32(32 * dot_q6_scales(o + 192, s16a + 64 * b))  # the codes' -32
+def _x_tables(x, qtype):
+    """x [K] -> what the steps read (_qvec.step32, q4k_step ...): x's codes (as `_quantise_x`
+    rounds them) in the order a step takes them [K rounded up to 128] int8, a float32 and an
+    int32 table. 32-blocks: per group of four blocks 32 floats (x's scale of each block in 4
+    lanes, then Q4_1 / Q5_1's dx x code sum of each block) and 32 ints (the blocks' constant terms);
+    K-quants: x's scale per super-block and 16 ints per super-block. One pass, no other array."""
+    k = x.shape[0]
+    kq = qtype == Q4_K or qtype == Q5_K or qtype == Q6_K
+    group = 256 if kq else 32
+    ng = (k // 32 + 3) // 4  # groups of four 32-blocks
+    codes = np.empty(k, np.int8) if kq else np.zeros(128 * ng, np.int8)
+    tf = np.empty(k // 256, F32) if kq else np.zeros(32 * ng, F32)
+    ti = np.zeros(16 * (k // 256) if kq else 32 * ng, np.int32)
+    off = 128 if qtype == Q8_0 else 8 if qtype == Q4_0 else 16  # the codes' offset (Q8_0's +128)
+    xa, qa = x.ctypes.data, codes.ctypes.data
+    for j in range(k // group):
+        dx, inv = _x_scale(xa + 4 * group * j, group)
+        total = np.int32(0)
+        for h in range(group * j // 16, group * (j + 1) // 16):  # 16 codes at a time
+            c32 = h // 2
+            if qtype == Q8_0 or qtype == Q6_K:
+                dst = 16 * h
+            elif kq:
+                dst = 256 * (c32 // 8) + 32 * _K45_ORDER[c32 % 8] + 16 * (h % 2)
+            else:  # elements 0-15 of blocks 0-3 of a group, then their 16-31
+                dst = 128 * (c32 // 4) + 64 * (h % 2) + 16 * (c32 % 4)
+            s = codes16(qa + dst, xa + 64 * h, inv)
+            if qtype == Q6_K:
+                ti[h] = -32 * s
+            elif kq:
+                ti[16 * (c32 // 8) + c32 % 8] -= s
+            total += s
+        if kq:
+            tf[j] = dx
+            continue
+        g, b = j // 4, j % 4
+        if qtype == Q8_0:
+            ti[32 * g + 16 * (b // 2) + 8 * (b % 2)] = -off * total
         else:
-            five = qtype == Q5_K
-            o = wa + (176 if five else 144) * b
-            u0, u1, u2 = ld_u32(o + 4), ld_u32(o + 8), ld_u32(o + 12)
-            sc_lo, m_lo = np.uint32(u0 & _M6), np.uint32(u1 & _M6)
-            sc_hi = np.uint32((u2 & _M4) | (((u0 >> np.uint32(6)) & _M2) << np.uint32(4)))
-            m_hi = np.uint32(((u2 >> np.uint32(4)) & _M4)
-                             | (((u1 >> np.uint32(6)) & _M2) << np.uint32(4)))
-            l0, l1, l2, l3 = k4_lanes(sc_lo, sc_hi)
-            if five:
-                p0 = dp5(vzero(), o + 48, o + 16, 0, xo)
-                p1 = dp5(vzero(), o + 80, o + 16, 2, xo + 64)
-                p2 = dp5(vzero(), o + 112, o + 16, 4, xo + 128)
-                p3 = dp5(vzero(), o + 144, o + 16, 6, xo + 192)
-            else:
-                p0 = dp4(vzero(), o + 16, xo)
-                p1 = dp4(vzero(), o + 48, xo + 64)
-                p2 = dp4(vzero(), o + 80, xo + 128)
-                p3 = dp4(vzero(), o + 112, xo + 192)
-            d = ld_f16(o) * dd
-            corr += ld_f16(o + 2) * dd * F32(dot_scales(m_lo, m_hi, s32a + 32 * b))  # the mins
-        t = vadd_i32(vadd_i32(vmul_i32(p0, l0), vmul_i32(p1, l1)),
-                     vadd_i32(vmul_i32(p2, l2), vmul_i32(p3, l3)))
-        acc = cvt_fma(t, vsplat(d), acc)
-    return vhsum(acc) - corr
+            ti[32 * g + 4 * b] = -off * total
+        for i in range(4):
+            tf[32 * g + 4 * b + i] = dx
+        tf[32 * g + 16 + b] = dx * F32(total)
+    return codes, tf, ti
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _vdot_pairs(qtype, nb, wa, xa, dx, s32, k):
-    """Row at address wa (a 32-block type of nb bytes a block) . x (codes at xa, one scale per
-    32). Two blocks a step; a block's constant term is c * dx * (sum of its 32 x codes). Inlined
-    with a constant qtype: one loop per type, no type test inside it."""
-    acc = vzero()
-    corr = F32(0)
-    for j in range(0, k // 32, 2):
-        o, xo = wa + j * nb, xa + 32 * j
-        d0, d1 = ld_f16(o), ld_f16(o + nb)
-        if qtype == Q8_0:
-            p = dp8x2(vzero(), o + 2, o + 36, xo)
-            c0, c1 = F32(128) * d0, F32(128) * d1  # the +128 that made the codes unsigned
-        elif qtype == Q4_0:
-            p = dp40x2(vzero(), o + 2, o + 20, xo)
-            c0, c1 = F32(8) * d0, F32(8) * d1
-        elif qtype == Q4_1:
-            p = dp40x2(vzero(), o + 4, o + 24, xo)
-            c0, c1 = -ld_f16(o + 2), -ld_f16(o + 22)  # the mins (added)
-        elif qtype == Q5_0:  # qh at 2, qs at 6
-            p = dp50x2(vzero(), o + 6, o + 28, o + 2, o + 24, xo)
-            c0, c1 = F32(16) * d0, F32(16) * d1
-        else:  # Q5_1: m at 2, qh at 4, qs at 8
-            p = dp50x2(vzero(), o + 8, o + 32, o + 4, o + 28, xo)
-            c0, c1 = -ld_f16(o + 2), -ld_f16(o + 26)
-        acc = cvt_fma(p, lanes2(d0 * dx[j], d1 * dx[j + 1]), acc)
-        corr += c0 * dx[j] * F32(s32[j]) + c1 * dx[j + 1] * F32(s32[j + 1])
-    return vhsum(acc) - corr
+def _tile_rows(wa, rb, n, r):
+    """Addresses of rows r .. r + 3 (past the last row: the last row again)."""
+    return (wa + r * rb, wa + min(r + 1, n - 1) * rb, wa + min(r + 2, n - 1) * rb,
+            wa + min(r + 3, n - 1) * rb)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _ahead(rb):
+    """How far ahead a row's reads are prefetched: the same bytes of the rows a whole number of
+    tiles on, at least AHEAD bytes."""
+    return 4 * rb * ((AHEAD + 4 * rb - 1) // (4 * rb))
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _prefetch4(a0, a1, a2, a3, o, n, ahead):
+    """Prefetch bytes o .. o + n of rows a0-a3, `ahead` bytes on."""
+    for i in range(o + ahead, o + ahead + n, 64):
+        prefetch(a0 + i)
+        prefetch(a1 + i)
+        prefetch(a2 + i)
+        prefetch(a3 + i)
+
+
+@njit(fastmath=FASTMATH, cache=True, inline="always")
+def _tile_out(out, r, n, c0, c1, c2, c3):
+    """out[r .. r + 3] (those below n) = the lane sums of the rows' accumulators."""
+    y0, y1, y2, y3 = hsum4(c0, c1, c2, c3)
+    out[r] = y0
+    if r + 1 < n:
+        out[r + 1] = y1
+    if r + 2 < n:
+        out[r + 2] = y2
+    if r + 3 < n:
+        out[r + 3] = y3
+
+
+def _rows(qtype, w, r0, r1, codes, tf, ti, out):
+    """out[r0:r1] = W[r0:r1] . x (x as `_x_tables` left it), four rows at a time from r0 (a
+    multiple of 4). Compiled once per type (`qtype` a literal): a loop of that type's steps."""
+
+
+@overload(_rows, prefer_literal=True, jit_options={"fastmath": FASTMATH})
+def _rows_impl(qtype, w, r0, r1, codes, tf, ti, out):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    q = qtype.literal_value
+    nb = BLOCK[q][1]  # bytes per block
+    if q in (Q4_K, Q5_K, Q6_K):
+        step = {Q4_K: q4k_step, Q5_K: q5k_step, Q6_K: q6k_step}[q]
+
+        def rows_k(qtype, w, r0, r1, codes, tf, ti, out):
+            n, rb = w.shape[0], w.shape[1]
+            # raw addresses taken here, inside the caller's loop: Numba frees an array after its
+            # last use, so addresses taken before the loop could point at memory `out` reuses
+            wa, xa, ia = w.ctypes.data, codes.ctypes.data, ti.ctypes.data
+            ahead = _ahead(rb)
+            for r in range(r0, r1, 4):
+                a0, a1, a2, a3 = _tile_rows(wa, rb, n, r)
+                c0 = c1 = c2 = c3 = vzero()
+                for b in range(rb // nb):  # super-blocks
+                    o, t = nb * b, xa + 256 * b
+                    x0, x1, x2, x3 = ldv(t), ldv(t + 64), ldv(t + 128), ldv(t + 192)
+                    dx, tab = tf[b], ldv(ia + 64 * b)
+                    _prefetch4(a0, a1, a2, a3, o, nb, ahead)
+                    c0 = step(c0, a0 + o, x0, x1, x2, x3, dx, tab)
+                    c1 = step(c1, a1 + o, x0, x1, x2, x3, dx, tab)
+                    c2 = step(c2, a2 + o, x0, x1, x2, x3, dx, tab)
+                    c3 = step(c3, a3 + o, x0, x1, x2, x3, dx, tab)
+                _tile_out(out, r, n, c0, c1, c2, c3)
+        return rows_k
+    full, tail = step32(q, False), step32(q, True)
+
+    def rows_32(qtype, w, r0, r1, codes, tf, ti, out):
+        n, rb = w.shape[0], w.shape[1]
+        wa, xa, fa, ia = w.ctypes.data, codes.ctypes.data, tf.ctypes.data, ti.ctypes.data
+        nblk = rb // nb
+        ahead = _ahead(rb)
+        for r in range(r0, r1, 4):
+            a0, a1, a2, a3 = _tile_rows(wa, rb, n, r)
+            c0 = c1 = c2 = c3 = vzero()
+            for g in range((nblk + 3) // 4):  # groups of four blocks; the last may be two
+                o, t = 4 * nb * g, 128 * g  # byte offsets: the rows', x's codes' and tables'
+                x1, x2 = ldv(xa + t), ldv(xa + t + 64)
+                sx, f2, i1, i2 = ldv(fa + t), ldv(fa + t + 64), ldv(ia + t), ldv(ia + t + 64)
+                _prefetch4(a0, a1, a2, a3, o, 4 * nb, ahead)
+                if 4 * g + 4 <= nblk:
+                    c0 = full(c0, a0 + o, x1, x2, sx, f2, i1, i2)
+                    c1 = full(c1, a1 + o, x1, x2, sx, f2, i1, i2)
+                    c2 = full(c2, a2 + o, x1, x2, sx, f2, i1, i2)
+                    c3 = full(c3, a3 + o, x1, x2, sx, f2, i1, i2)
+                else:
+                    c0 = tail(c0, a0 + o, x1, x2, sx, f2, i1, i2)
+                    c1 = tail(c1, a1 + o, x1, x2, sx, f2, i1, i2)
+                    c2 = tail(c2, a2 + o, x1, x2, sx, f2, i1, i2)
+                    c3 = tail(c3, a3 + o, x1, x2, sx, f2, i1, i2)
+            _tile_out(out, r, n, c0, c1, c2, c3)
+    return rows_32
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _vdot_32(qtype, wa, xa, dx, s32, k):
-    """Row at address wa (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) . x (codes at xa, one scale per 32)."""
-    if qtype == Q8_0:
-        return _vdot_pairs(Q8_0, 34, wa, xa, dx, s32, k)
-    if qtype == Q4_0:
-        return _vdot_pairs(Q4_0, 18, wa, xa, dx, s32, k)
+def _item(w, qtype, r0, r1, codes, tf, ti, out):
+    """Rows r0:r1 of out (r0 a multiple of 4). One branch per type."""
     if qtype == Q4_1:
-        return _vdot_pairs(Q4_1, 20, wa, xa, dx, s32, k)
-    if qtype == Q5_0:
-        return _vdot_pairs(Q5_0, 22, wa, xa, dx, s32, k)
-    return _vdot_pairs(Q5_1, 24, wa, xa, dx, s32, k)
+        _rows(Q4_1, w, r0, r1, codes, tf, ti, out)
+    elif qtype == Q8_0:
+        _rows(Q8_0, w, r0, r1, codes, tf, ti, out)
+    elif qtype == Q5_0:
+        _rows(Q5_0, w, r0, r1, codes, tf, ti, out)
+    elif qtype == Q4_K:
+        _rows(Q4_K, w, r0, r1, codes, tf, ti, out)
+    elif qtype == Q6_K:
+        _rows(Q6_K, w, r0, r1, codes, tf, ti, out)
+    elif qtype == Q4_0:
+        _rows(Q4_0, w, r0, r1, codes, tf, ti, out)
+    elif qtype == Q5_1:
+        _rows(Q5_1, w, r0, r1, codes, tf, ti, out)
+    else:
+        _rows(Q5_K, w, r0, r1, codes, tf, ti, out)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _qgemv_vnni(w, qtype, x):
-    # w [N, row_bytes] u8; x [K] f32 (K a multiple of 64) -> [N] f32
-    n, rb, k = w.shape[0], w.shape[1], x.shape[0]
-    kq = qtype == Q4_K or qtype == Q5_K or qtype == Q6_K
-    xc, dx, s16, s32 = _quantise_x(x, 256 if kq else 32)
-    out = np.empty(n, F32)
-    for it in prange((n + RB - 1) // RB):
-        # raw addresses taken here, inside the loop: Numba frees an array after its last use,
-        # so addresses taken before the loop could point at memory `out` (or anything) reuses
-        wa, xa, s16a, s32a = w.ctypes.data, xc.ctypes.data, s16.ctypes.data, s32.ctypes.data
-        for r in range(it * RB, min(n, it * RB + RB)):
-            if kq:
-                out[r] = _vdot_k(qtype, wa + r * rb, xa, dx, s16a, s32a, k)
-            else:
-                out[r] = _vdot_32(qtype, wa + r * rb, xa, dx, s32, k)
-    return out
+def _qgemv_vnni(w, qtype, x, out, rows_per_item, serial):
+    # w [N, row_bytes] u8; x [K] f32 (K a multiple of 64, or of 256 for K-quants); out [N] f32;
+    # rows_per_item a multiple of 4. `serial`: all on the calling thread (no parallel region)
+    n = w.shape[0]
+    codes, tf, ti = _x_tables(x, qtype)
+    if serial:
+        _item(w, qtype, 0, n, codes, tf, ti, out)
+        return
+    for it in prange((n + rows_per_item - 1) // rows_per_item):
+        r0 = it * rows_per_item
+        _item(w, qtype, r0, min(n, r0 + rows_per_item), codes, tf, ti, out)
 
 
 def _put(out, j, v):
@@ -479,24 +549,38 @@ def _dequant(w, qtype, rows, c0, c1, out):
     return out
 
 
+_U8, _F32 = np.dtype(np.uint8), np.dtype(F32)  # dtypes compare faster with dtypes than types
+
+
 def _check(w: np.ndarray, qtype: int, k: int) -> np.ndarray:
     if qtype not in BLOCK:
         raise ValueError(f"unknown quant type {qtype}")
     blk, nbytes = BLOCK[qtype]
-    if k % blk or w.ndim != 2 or w.shape[1] != k // blk * nbytes or w.dtype != np.uint8:
+    if k % blk or w.ndim != 2 or w.shape[1] != k // blk * nbytes or w.dtype != _U8:
         raise ValueError(f"w must be [N, {k // blk * nbytes}] uint8 rows of {k} elements in "
                          f"type {qtype}, got {w.dtype} {w.shape}")
     return readonly(w)
 
 
-def qgemv(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:
-    """y = W x: w [N, row_bytes] uint8 in `qtype`, x [K] float32 -> y [N] float32."""
+def qgemv(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """y = W x: w [N, row_bytes] uint8 in `qtype`, x [K] float32 -> y [N] float32. `out`: a
+    C-contiguous float32 [N] array to write y into (and return), so that a caller can reuse one."""
     k = x.shape[0]
     w = _check(w, qtype, k)
-    use_threads()
+    n = w.shape[0]
+    if out is None:
+        out = np.empty(n, F32)
+    elif (not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != (n,)
+          or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape ({n},)")
+    threads = use_threads()
     if VNNI and k % (256 if qtype in (Q4_K, Q5_K, Q6_K) else 64) == 0:
-        return _qgemv_vnni(w, qtype, readonly(x, F32))
-    return _qgemv(w, qtype, readonly(x, F32))
+        # work items: about 8 a thread (dynamic schedule), 16 to 256 rows each
+        rows = max(16, min(256, n // (8 * threads) // 4 * 4))
+        _qgemv_vnni(w, qtype, readonly(x, _F32), out, rows, threads == 1 or w.nbytes < SERIAL_BYTES)
+    else:
+        out[:] = _qgemv(w, qtype, readonly(x, _F32))
+    return out
 
 
 def dequant(w: np.ndarray, qtype: int, k: int, r0: int, r1: int, c0: int = 0,

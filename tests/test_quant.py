@@ -94,6 +94,80 @@ def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
     assert np.abs(fast - wd @ x).max() <= 0.02 * np.abs(wd @ x).max()
 
 
+def _int8_reference(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
+    """W times x rounded to int8 as the VNNI path rounds it (per 32 channels, 256 for K-quants),
+    in float64."""
+    t = quant.TYPES[qtype]
+    group = 256 if t.block == 256 else 32
+    codes, dx, _, _ = qk._quantise_x(x, group)
+    xr = codes.astype(np.float64) * np.repeat(dx, group)
+    return quant.dequantize_ref(raw, qtype, x.shape[0]).astype(np.float64) @ xr
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 37])
+def test_qgemv_takes_rows_four_at_a_time_and_writes_into_out(qtype, rows):
+    """Tiles of four rows: fewer rows than four, a last tile past the last row; rows of 18
+    32-blocks (four groups of four and a tail of two) or 3 super-blocks; `out` reused."""
+    t = quant.TYPES[qtype]
+    k = 768 if t.block == 256 else 576
+    raw = random_blocks(qtype, rows, k, seed=rows + t.ggml)
+    x = np.random.default_rng(rows).standard_normal(k).astype(np.float32)
+    got = kernels.qgemv(raw, t.ggml, x)
+    want = _int8_reference(raw, qtype, x) if qk.VNNI else kernels.qgemv_ref(raw, t.ggml, x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    out = np.full(rows, np.nan, np.float32)
+    assert kernels.qgemv(raw, t.ggml, x, out=out) is out
+    np.testing.assert_array_equal(out, got)
+    out[:] = np.nan  # a second call into the same buffer
+    kernels.qgemv(raw, t.ggml, 2 * x, out=out)
+    np.testing.assert_allclose(out, 2 * got, rtol=1e-5, atol=1e-6 * np.abs(got).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K"])
+def test_qgemv_on_two_threads_equals_one_thread(qtype, monkeypatch):
+    """The parallel path (work items of 16 rows over two threads) gives what the serial one
+    gives, row for row."""
+    t = quant.TYPES[qtype]
+    k = 768 if t.block == 256 else 576
+    raw = random_blocks(qtype, 301, k, seed=t.ggml)
+    x = np.random.default_rng(5).standard_normal(k).astype(np.float32)
+    try:
+        kernels.configure_threads(1)
+        one = kernels.qgemv(raw, t.ggml, x)
+        kernels.configure_threads(2)
+        monkeypatch.setattr(qk, "SERIAL_BYTES", 0)  # parallel however small
+        two = kernels.qgemv(raw, t.ggml, x)
+    finally:
+        kernels.configure_threads(0)
+    np.testing.assert_array_equal(two, one)
+    want = _int8_reference(raw, qtype, x) if qk.VNNI else kernels.qgemv_ref(raw, t.ggml, x)
+    np.testing.assert_allclose(two, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_qgemv_without_vnni_takes_the_float_path_into_out(qtype, monkeypatch):
+    """Where AVX512-VNNI is missing, qgemv runs the float kernel, `out` as well."""
+    monkeypatch.setattr(qk, "VNNI", False)
+    t = quant.TYPES[qtype]
+    k = 768 if t.block == 256 else 576
+    raw = random_blocks(qtype, 7, k, seed=t.ggml)
+    x = np.random.default_rng(7).standard_normal(k).astype(np.float32)
+    out = np.full(7, np.nan, np.float32)
+    assert kernels.qgemv(raw, t.ggml, x, out=out) is out
+    want = kernels.qgemv_ref(raw, t.ggml, x)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_qgemv_refuses_an_unfit_out():
+    raw = random_blocks("Q8_0", 4, 64)
+    x = np.zeros(64, np.float32)
+    strided = np.zeros((4, 2), np.float32)[:, 0]
+    for bad in (np.zeros(5, np.float32), np.zeros(4, np.float64), strided):
+        with pytest.raises(ValueError, match="out must be"):
+            kernels.qgemv(raw, 8, x, out=bad)
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", *LEGACY])
 def test_qgemv_over_an_odd_number_of_32_blocks_takes_the_float_path(qtype):
     """The int8 path takes two 32-blocks a step: a row of 19 blocks goes the float way, exact up
