@@ -105,6 +105,7 @@ try:
         turned_ref,
     )
     from .gemv import gemv, gemv_ref  # noqa: E402
+    from .layer import gated, gated_ref, rmsnorm, rmsnorm_ref, rope, rope_ref  # noqa: E402
     from .qlinear import dequant, dequant_rows, qgemv, qgemv_ref  # noqa: E402
     from .step import select_attend, select_attend_layer, select_attend_ref  # noqa: E402
     from .votes import query_votes, query_votes_ref  # noqa: E402
@@ -120,9 +121,10 @@ __all__ = [
     "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "Turns", "anchor_view", "anchors_to_f64",
     "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "cache_dir",
     "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
-    "dequant_rows", "f32_to_kv", "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "merge_partials",
-    "merge_partials_ref", "prefill_index", "prefill_sparse", "q8_encode", "qgemv", "qgemv_ref",
-    "query_votes", "query_votes_ref", "rope_turns", "turned_ref", "score_blocks",
-    "score_blocks_ref", "select_attend", "select_attend_layer", "select_attend_ref",
-    "select_blocks", "source_hash", "topk_blocks", "topk_blocks_ref",
+    "dequant_rows", "f32_to_kv", "gated", "gated_ref", "gemv", "gemv_ref", "kv_to_f64", "layer_kv",
+    "merge_partials", "merge_partials_ref", "prefill_index", "prefill_sparse", "q8_encode",
+    "qgemv", "qgemv_ref", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref", "rope",
+    "rope_ref", "rope_turns", "turned_ref", "score_blocks", "score_blocks_ref", "select_attend",
+    "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash", "topk_blocks",
+    "topk_blocks_ref",
 ]

@@ -131,6 +131,20 @@ class AttentionRouter:
         self.attn_s += time.perf_counter() - t0
         return out
 
+    def attend_one(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   scale: float) -> np.ndarray:
+        """A decode step of model layer `layer` on the CPU (ktlong.decoder): q [Hq, d], k, v
+        [Hkv, d] float32 -> attention output [Hq, d] float32."""
+        if self.window is not None and layer in self.window:
+            return self.window.attend_one(layer, q, k, v, scale)
+        if self.local is not None:  # the local window's device takes torch tensors
+            t = [torch.from_numpy(a)[:, None] for a in (q, k, v)]
+            return self.attend(layer, *t, scale)[:, 0].numpy()
+        layer = self.kv_index[layer]
+        start = self.store.write_f32(layer, k, v)
+        step = self.policy.plan(layer, q, start + 1)
+        return self.policy.attend(step, scale)[0]
+
     def _minference(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """Each head's sparse pattern (index built on the CPU; attention by the Numba kernel, or
         by plain torch over the layer's device mirror on CUDA)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ktlong import memory
+from ktlong import decoder, memory
 from ktlong.attention import AttentionRouter
 from ktlong.config import CHUNK_AUTO, Settings
 from ktlong.errors import KtlongError
@@ -172,6 +172,7 @@ class Session:
         self.capture_queries = 0  # keep at least this many last prompt queries per layer
         self._cos: torch.Tensor | None = None  # [n_layers] during a prefill: cosine sums
         self.prefill_matmul = set_prefill_matmul(lm.model, settings.prefill_matmul)
+        self.decoder = decoder.build(lm)  # one-token forwards without transformers' modules
         warm_up(lm, settings)  # every kernel this session runs, compiled before it is timed
 
     def _set_threads(self) -> None:
@@ -200,6 +201,12 @@ class Session:
         dev = lm.device
         start, n = len(self.tokens), len(ids)
         chunk = n if sparse and n == 1 else st.chunk_size or CHUNK_AUTO[dev.type == "cuda"]
+        if n == 1 and sparse and self.decoder is not None:  # a decode step
+            self.router.begin(sparse=True)
+            with torch.inference_mode():  # the sliding-window rows were made in it
+                logits = self.decoder.step(ids[0], start, self.router, self.store)
+            self.tokens.extend(ids)
+            return logits
         capture = self.policy.vote_window() if n > 1 else 0
         capture = max(capture, self.capture_queries if n > 1 else 0)
         self.router.begin(sparse=sparse, capture=min(capture, n), total=n)

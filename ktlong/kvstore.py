@@ -422,6 +422,14 @@ class KVStore:
         return self.write_rows(layer, to_storage(k, self.shape.kv_type),
                                to_storage(v, self.shape.kv_type))
 
+    def write_f32(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
+        """Append one token's k, v `[Hkv, d]` float32 (a decode step)."""
+        if self.shape.kv_type in QUANT_KV:
+            return self.write(layer, torch.from_numpy(k)[:, None], torch.from_numpy(v)[:, None])
+        kind = KV_TYPES[self.shape.kv_type][2]
+        return self.write_rows(layer, kernels.f32_to_kv(k, kind)[:, None],
+                               kernels.f32_to_kv(v, kind)[:, None])
+
     def write_rows(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
         """Append rows already in the storage format, `[Hkv, n, row]`."""
         start, n = self.lengths[layer], k.shape[1]

@@ -21,47 +21,101 @@ KEEP_PAST_PIN = 32768  # tokens kept after a pin before it is let go (a very lon
 
 
 class SlidingKV:
+    """Per sliding layer a float32 buffer [Hkv, cap, d]: rows [off, off + n) hold positions
+    [first, first + n). Rows fall out of the window by moving `off` (and `first`); the buffer is
+    compacted only when full, so a decode step copies nothing but its own row."""
+
     def __init__(self, layers: tuple[int, ...], n_kv_heads: int, head_dim: int,
                  window: int) -> None:
         self.layers, self.window = layers, window
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        empty = torch.empty(n_kv_heads, 0, head_dim)
-        self.k = {layer: empty for layer in layers}  # layer -> [Hkv, T, d] f32
-        self.v = {layer: empty for layer in layers}
+        self.kb = {layer: torch.empty(n_kv_heads, 0, head_dim) for layer in layers}
+        self.vb = {layer: torch.empty(n_kv_heads, 0, head_dim) for layer in layers}
+        self.off = {layer: 0 for layer in layers}  # buffer row of the first kept position
+        self.n = {layer: 0 for layer in layers}  # rows kept
         self.first = {layer: 0 for layer in layers}  # position of each layer's first row
         self.pin_at: int | None = None
 
     def __contains__(self, layer: int) -> bool:
-        return layer in self.k
+        return layer in self.kb
 
     def length(self, layer: int) -> int:
-        return self.first[layer] + self.k[layer].shape[1]
+        return self.first[layer] + self.n[layer]
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept rows: k, v [Hkv, n, d] (views)."""
+        a, b = self.off[layer], self.off[layer] + self.n[layer]
+        return self.kb[layer][:, a:b], self.vb[layer][:, a:b]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for d in (self.k, self.v) for t in d.values())
+        return sum(t.numel() * 4 for d in (self.kb, self.vb) for t in d.values())
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put L new rows after the kept ones: compact (or grow) the buffer when it is full."""
+        off, n, L = self.off[layer], self.n[layer], k.shape[1]
+        kb, vb = self.kb[layer], self.vb[layer]
+        if off + n + L > kb.shape[1]:
+            cap = max(2 * (n + L), n + L + self.window)
+            if cap > kb.shape[1] or off == 0:  # grow: a fresh, larger buffer
+                nk = torch.empty(self.n_kv_heads, cap, self.head_dim)
+                nv = torch.empty_like(nk)
+            else:  # room enough once the dropped rows go: move the kept ones down
+                nk, nv = kb, vb
+            nk[:, :n] = kb[:, off:off + n].clone() if nk is kb else kb[:, off:off + n]
+            nv[:, :n] = vb[:, off:off + n].clone() if nv is vb else vb[:, off:off + n]
+            self.kb[layer], self.vb[layer], self.off[layer], off = nk, nv, 0, 0
+            kb, vb = nk, nv
+        kb[:, off + n:off + n + L] = k
+        vb[:, off + n:off + n + L] = v
+        self.n[layer] = n + L
+
+    def _trim(self, layer: int, end: int) -> None:
+        """Drop the rows no query after position `end` reads (nor a cut back to the pin)."""
+        keep = end - self.window  # one more than the next token reads: a re-feed
+        if self.pin_at is not None:
+            if end - self.pin_at > KEEP_PAST_PIN:
+                self.pin_at = None
+            else:
+                keep = min(keep, self.pin_at - self.window)
+        drop = max(0, keep - self.first[layer])
+        self.off[layer] += drop
+        self.n[layer] -= drop
+        self.first[layer] += drop
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q `[Hq, L, d]`, k, v `[Hkv, L, d]` of the next L tokens -> out `[Hq, L, d]` f32."""
         first, L = self.first[layer], q.shape[1]
         start = self.length(layer)
-        kk = torch.cat([self.k[layer], k.float()], 1)  # [Hkv, P + L, d]
-        vv = torch.cat([self.v[layer], v.float()], 1)
+        self._append(layer, k.float(), v.float())
+        kk, vv = self.rows(layer)  # [Hkv, P + L, d]
         qpos = torch.arange(start, start + L)[:, None]  # [L, 1]
         kpos = torch.arange(first, start + L)[None, :]  # [1, P + L]
         mask = (kpos <= qpos) & (qpos - kpos < self.window)  # [L, P + L]
         out = F.scaled_dot_product_attention(q.float()[None], kk[None], vv[None], mask,
                                              scale=scale, enable_gqa=True)[0]  # [Hq, L, d]
-        keep = start + L - self.window  # one more than the next token reads: a re-feed
-        if self.pin_at is not None:
-            if start + L - self.pin_at > KEEP_PAST_PIN:
-                self.pin_at = None
-            else:
-                keep = min(keep, self.pin_at - self.window)
-        drop = max(0, keep - first)
-        self.k[layer], self.v[layer] = kk[:, drop:].clone(), vv[:, drop:].clone()
-        self.first[layer] = first + drop
+        self._trim(layer, start + L)
+        k, v = self.rows(layer)  # a chunk's buffer, cut to the rows kept plus a window's room
+        n = k.shape[1]
+        self.kb[layer] = torch.empty(self.n_kv_heads, n + self.window, self.head_dim)
+        self.vb[layer] = torch.empty_like(self.kb[layer])
+        self.kb[layer][:, :n], self.vb[layer][:, :n], self.off[layer] = k, v, 0
         return out
+
+    def attend_one(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   scale: float) -> np.ndarray:
+        """One token: q [Hq, d], k, v [Hkv, d] float32 -> out [Hq, d] float32 over the last
+        `window` rows (its own included)."""
+        start = self.length(layer)
+        self._append(layer, torch.from_numpy(k)[:, None], torch.from_numpy(v)[:, None])
+        kk, vv = self.rows(layer)
+        w = min(self.window, kk.shape[1])
+        hq, hkv = q.shape[0], kk.shape[0]
+        qt = torch.from_numpy(q).view(hkv, hq // hkv, -1)  # [Hkv, g, d]
+        p = torch.softmax(torch.bmm(qt, kk[:, -w:].transpose(1, 2)) * scale, -1)  # [Hkv, g, w]
+        out = torch.bmm(p, vv[:, -w:]).reshape(hq, -1)
+        self._trim(layer, start + 1)
+        return out.numpy()
 
     def pin(self, n_tokens: int) -> None:
         self.pin_at = n_tokens
@@ -75,8 +129,7 @@ class SlidingKV:
             raise ValueError(f"the sliding-window layers no longer hold the tokens before "
                              f"{n_tokens}")
         for layer in self.layers:
-            keep = max(0, n_tokens - self.first[layer])
-            self.k[layer], self.v[layer] = self.k[layer][:, :keep], self.v[layer][:, :keep]
+            self.n[layer] = max(0, n_tokens - self.first[layer])
 
     def state(self, n_tokens: int) -> np.ndarray:
         """The last `window` rows before `n_tokens`: [layers, 2, Hkv, window, d] f32 (zeros
@@ -88,8 +141,9 @@ class SlidingKV:
             first = self.first[layer]
             if a < first or b > self.length(layer):
                 raise ValueError("the window rows for that length are gone")
-            out[i, 0, :, w - (b - a):] = self.k[layer][:, a - first:b - first].numpy()
-            out[i, 1, :, w - (b - a):] = self.v[layer][:, a - first:b - first].numpy()
+            k, v = self.rows(layer)
+            out[i, 0, :, w - (b - a):] = k[:, a - first:b - first].numpy()
+            out[i, 1, :, w - (b - a):] = v[:, a - first:b - first].numpy()
         return out
 
     def load(self, rows: np.ndarray, n_tokens: int) -> None:
@@ -97,6 +151,7 @@ class SlidingKV:
         w = self.window
         a = max(0, n_tokens - w)
         for i, layer in enumerate(self.layers):
-            self.k[layer] = torch.from_numpy(np.array(rows[i, 0, :, w - (n_tokens - a):]))
-            self.v[layer] = torch.from_numpy(np.array(rows[i, 1, :, w - (n_tokens - a):]))
+            self.kb[layer] = torch.from_numpy(np.array(rows[i, 0, :, w - (n_tokens - a):]))
+            self.vb[layer] = torch.from_numpy(np.array(rows[i, 1, :, w - (n_tokens - a):]))
+            self.off[layer], self.n[layer] = 0, n_tokens - a
             self.first[layer] = a

@@ -79,8 +79,10 @@ def make_config(
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
     tie_embeddings: bool = False,
+    sliding_window: int | None = None,
 ) -> Any:
-    """A transformers config for one of the supported architectures."""
+    """A transformers config for one of the supported architectures (gemma3_text: its sliding
+    window, when given, in place of the default 4096)."""
     from transformers import AutoConfig
 
     kw: dict[str, Any] = dict(
@@ -102,6 +104,8 @@ def make_config(
     kw["rope_parameters"] = rope
     if arch == "mistral":
         kw["sliding_window"] = None
+    if arch == "gemma3_text" and sliding_window:
+        kw["sliding_window"] = sliding_window
     return AutoConfig.for_model(arch, **kw)
 
 

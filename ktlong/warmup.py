@@ -117,6 +117,8 @@ def parts(lm: Any, settings: Any) -> list[Part]:
                         lambda: _attention(lm, s, kinds)))
     for key, fn in _weight_parts(lm.model).items():
         out.append(Part(key, "weights", fn))
+    if lm.device.type == "cpu":
+        out.append(Part("layer-ops", "weights", _layer_ops))
     return out
 
 
@@ -241,6 +243,21 @@ def _half_linear(mod: Any) -> None:
         small(torch.zeros(1, mod.in_features))
 
 
+def _layer_ops() -> None:
+    """The decode step's own small kernels (ktlong.decoder): norms of a vector and of heads,
+    RoPE, the gated activation."""
+    import numpy as np
+
+    from ktlong import kernels
+
+    x, w = np.ones(8, np.float32), np.ones(8, np.float32)
+    kernels.rmsnorm(x, w, 1e-6, False, np.empty_like(x))
+    x2 = np.ones((2, 8), np.float32)
+    kernels.rmsnorm(x2, w, 1e-6, True, x2)
+    kernels.rope(x2, w, w)
+    kernels.gated(x, w, False)
+
+
 # --- attention -----------------------------------------------------------------------------------
 def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
     """A two-layer store of the run's KV type, head_dim and block size (one KV head): a prefill
@@ -301,6 +318,10 @@ def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
                 router.begin(sparse=True, capture=0, total=1)
                 q, k, v = qkv(1)
                 for layer in range(2):
-                    router.attend(layer, q, k, v, scale)
+                    if dev.type == "cpu":  # the CPU decode step's way in (ktlong.decoder)
+                        router.attend_one(layer, q[:, 0].numpy(), k[:, 0].numpy(),
+                                          v[:, 0].numpy(), scale)
+                    else:
+                        router.attend(layer, q, k, v, scale)
         policy.complete_anchors()  # before a prompt-cache save
 

@@ -158,22 +158,22 @@ def numba_interrupt() -> None:
 def test_ctrl_c_inside_a_forward_pass_leaves_a_consistent_store(lm, monkeypatch, how) -> None:
     loop = make_loop(lm)
     router = loop.session.router
-    real, calls = router.attend, []
+    real, calls = router.attend_one, []  # a CPU decode step's attention (ktlong.decoder)
 
     def attend(layer, *args, **kw):  # type: ignore[no-untyped-def]
         calls.append(layer)
-        if layer == 1 and len(calls) > 6:  # third decode token: layer 0 written, layer 1 not
+        if layer == 1 and len(calls) > 6:  # fourth decode token: layer 0 written, layer 1 not
             if how == "numba":
                 numba_interrupt()
             raise KeyboardInterrupt
         return real(layer, *args, **kw)
 
     loop.answer(QUESTIONS[0])  # prefill the question first, unpatched
-    monkeypatch.setattr(router, "attend", attend)
+    monkeypatch.setattr(router, "attend_one", attend)
     a = loop.answer(QUESTIONS[1])
     assert a.stop == "interrupted" and 1 <= len(a.ids) < NEW
     assert consistent(loop)
-    monkeypatch.setattr(router, "attend", real)
+    monkeypatch.setattr(router, "attend_one", real)
     b = loop.answer(QUESTIONS[2])
     assert b.ids == fresh_answer(lm, loop, b.prompt_ids)
 

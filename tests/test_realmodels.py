@@ -88,9 +88,14 @@ def test_gemma_keeps_only_the_window_for_its_sliding_layers(models):
     s = Session(lm, _dense())
     s.prefill(_ids(lm.tokenizer, 1500))
     assert s.store.shape.n_layers == 3 and s.store.length == 1500
-    assert all(s.window.k[layer].shape[1] <= 1500 - 512 + 512 for layer in spec.sliding_layers)
     # pinned at the document's end: the rows a cut back to it needs, no more
     assert {s.window.first[layer] for layer in spec.sliding_layers} == {1500 - 512}
+    assert {s.window.rows(layer)[0].shape[1] for layer in spec.sliding_layers} == {512}
+    # decode appends in place: the buffers (k and v, 15 layers, 1 KV head of 256 floats) stay
+    # within twice the rows kept
+    list(s.generate(Sampling(max_new_tokens=40)))
+    assert {s.window.rows(layer)[0].shape[1] for layer in spec.sliding_layers} == {512 + 39}
+    assert s.window.nbytes() <= 2 * (2 * 15 * (512 + 39) * 256 * 4)
 
 
 def test_gemma_prompt_cache_restores_the_sliding_window(models, home, tmp_path):

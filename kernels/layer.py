@@ -1,0 +1,83 @@
+"""The small per-layer operations of a one-token decode step: RMS norm, rotary embedding and the
+gated MLP's activation, each in place on float32 vectors, each beside a NumPy reference.
+
+They are tiny (a few thousand floats): what they save is the per-call cost of a dozen torch ops,
+not arithmetic. Sums of squares run in float32 like torch's; the activations follow torch's
+formulas (SiLU x * sigmoid(x), GELU's tanh approximation).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from ._simd import F32
+
+GELU_C = F32(math.sqrt(2.0 / math.pi))
+
+
+@njit(cache=True)
+def rmsnorm(x, w, eps, plus_one, out):
+    """out [n] = x / sqrt(mean(x^2) + eps) * (w, or 1 + w with `plus_one`: Gemma).
+    x may be out. Rows of a 2-D x [H, n] are normalised each (QK norm)."""
+    x2 = x.reshape(-1, w.shape[0])
+    o2 = out.reshape(-1, w.shape[0])
+    n = w.shape[0]
+    for r in range(x2.shape[0]):
+        s = F32(0)
+        for i in range(n):
+            s += x2[r, i] * x2[r, i]
+        inv = F32(1) / np.sqrt(s / F32(n) + F32(eps))
+        for i in range(n):
+            wi = F32(1) + w[i] if plus_one else w[i]
+            o2[r, i] = x2[r, i] * inv * wi
+    return out
+
+
+def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float, plus_one: bool) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    r = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return r * (1.0 + w if plus_one else w)
+
+
+@njit(cache=True)
+def rope(x, cos, sin):
+    """x [H, d] in place: x * cos + rotate_half(x) * sin, with cos, sin [d] (the halves
+    repeated, as transformers builds them): rotate_half(x) = [-x2, x1]."""
+    h = x.shape[1] // 2
+    for r in range(x.shape[0]):
+        for i in range(h):
+            a, b = x[r, i], x[r, i + h]
+            x[r, i] = a * cos[i] - b * sin[i]
+            x[r, i + h] = b * cos[i + h] + a * sin[i + h]
+    return x
+
+
+def rope_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    h = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., h:], x[..., :h]], -1)
+    return x * cos + rot * sin
+
+
+@njit(cache=True)
+def gated(g, u, gelu):
+    """g [n] = act(g) * u in place; act SiLU, or with `gelu` tanh-approximated GELU."""
+    for i in range(g.shape[0]):
+        a = g[i]
+        if gelu:
+            a = F32(0.5) * a * (F32(1) + np.tanh(GELU_C * (a + F32(0.044715) * a * a * a)))
+        else:
+            a = a / (F32(1) + np.exp(-a))
+        g[i] = a * u[i]
+    return g
+
+
+def gated_ref(g: np.ndarray, u: np.ndarray, gelu: bool) -> np.ndarray:
+    g = np.asarray(g, np.float64)
+    if gelu:
+        a = 0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)))
+    else:
+        a = g / (1 + np.exp(-g))
+    return a * u

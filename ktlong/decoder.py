@@ -1,0 +1,214 @@
+"""The one-token forward ktlong runs itself on the CPU: no transformers module calls in decode.
+
+On a small model a decode step's time is per-call overhead, not bytes: transformers' layer runs a
+few dozen torch ops and module calls per token (SmolLM2-135M: 30 layers). Here a step is, per
+layer, the norm, the projections through ktlong's GEMVs (quantised or 16-bit, straight on the
+weights' bytes), QK norm and RoPE, attention through the session's router (the KV store, or the
+sliding-window ring), the output projection, and the gated MLP, on float32 NumPy vectors, with
+the small operations in kernels/layer.py. Prefill keeps transformers' classes (there the work is
+in the matmuls).
+
+One plan per architecture family, read off the loaded modules: llama/qwen2/qwen3/mistral (norm,
+attention, residual, norm, MLP, residual; Qwen2 biases; Qwen3 QK norm) and gemma3 (adds QK norm,
+a norm after attention and after the MLP, 1 + w norms, tanh-GELU). `build` returns None for a
+model it does not know (its modules then run as they are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ktlong import kernels
+from ktlong.weights import _FLOAT_KINDS, GatedMLP, HalfLinear, QuantLinear, _gelu_tanh
+
+Vec = np.ndarray  # float32 [n]
+Linear = Callable[[Vec], Vec]
+
+# RMS norm classes: whether the weight enters as 1 + w (Gemma) or as it is
+_NORMS = {"LlamaRMSNorm": False, "Qwen2RMSNorm": False, "Qwen3RMSNorm": False,
+          "MistralRMSNorm": False, "Gemma3RMSNorm": True}
+
+
+@dataclass(frozen=True)
+class Norm:
+    w: Vec  # [n] float32
+    eps: float
+    plus_one: bool
+
+    def __call__(self, x: Vec, out: Vec | None = None) -> Vec:
+        return kernels.rmsnorm(x, self.w, self.eps, self.plus_one, x if out is None else out)
+
+
+def _norm(mod: nn.Module | None) -> Norm | None:
+    if mod is None or type(mod).__name__ not in _NORMS:
+        return None
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    w = np.ascontiguousarray(mod.weight.detach().float().numpy())
+    return Norm(w, float(eps), _NORMS[type(mod).__name__])
+
+
+def _linear(mod: nn.Module) -> Linear | None:
+    """x [in] f32 -> y [out] f32 through ktlong's GEMV on the module's own bytes."""
+    bias = getattr(mod, "bias", None)
+    b = None if bias is None else np.ascontiguousarray(bias.detach().float().numpy())
+    if isinstance(mod, QuantLinear):
+        perm = None if mod.perm is None else mod.perm.numpy()
+        kind = _FLOAT_KINDS.get(mod.qt.name)
+        if kind is None:
+            raw, qtype = mod.raw, mod.qt.ggml
+
+            def gemv(x: Vec) -> Vec:
+                return kernels.qgemv(raw, qtype, x)
+        else:
+            w = mod.raw.view(np.float32 if kind == 0 else np.uint16)
+
+            def gemv(x: Vec) -> Vec:
+                return kernels.gemv(w, x, kind)
+    elif isinstance(mod, HalfLinear):
+        perm, w16, kind16 = None, mod._np, mod.kind
+
+        def gemv(x: Vec) -> Vec:
+            return kernels.gemv(w16, x, kind16)
+    elif type(mod) is nn.Linear and mod.weight.dtype == torch.float32 \
+            and mod.weight.device.type == "cpu":
+        perm, w32 = None, mod.weight.detach().numpy()
+
+        def gemv(x: Vec) -> Vec:
+            return kernels.gemv(w32, x, 0)
+    else:
+        return None
+    if perm is None and b is None:
+        return gemv
+
+    def full(x: Vec) -> Vec:
+        y = gemv(x)
+        if perm is not None:
+            y = y[perm]
+        if b is not None:
+            y += b
+        return y
+    return full
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    attn_norm: Norm
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    q_norm: Norm | None  # QK norm over each head (Qwen3, Gemma 3)
+    k_norm: Norm | None
+    attn_out_norm: Norm | None  # on the attention's output, before the residual (Gemma 3)
+    mlp_norm: Norm
+    gate: Linear
+    up: Linear
+    down: Linear
+    gelu: bool
+    mlp_out_norm: Norm | None  # on the MLP's output (Gemma 3)
+
+
+def _layer(i: int, layer: nn.Module) -> LayerPlan | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, GatedMLP):
+        return None
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    cfg = attn.config
+    parts = dict(
+        attn_norm=_norm(layer.input_layernorm),
+        q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj),
+        o=_linear(attn.o_proj),
+        mlp_norm=_norm(layer.pre_feedforward_layernorm if gemma
+                       else layer.post_attention_layernorm),
+        gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
+    )
+    if any(v is None for v in parts.values()):
+        return None
+    extra = dict(q_norm=_norm(getattr(attn, "q_norm", None)),
+                 k_norm=_norm(getattr(attn, "k_norm", None)),
+                 attn_out_norm=_norm(layer.post_attention_layernorm) if gemma else None,
+                 mlp_out_norm=_norm(layer.post_feedforward_layernorm) if gemma else None)
+    for name in ("q_norm", "k_norm"):  # present but of a kind this file does not know
+        if getattr(attn, name, None) is not None and extra[name] is None:
+            return None
+    if gemma and None in (extra["attn_out_norm"], extra["mlp_out_norm"]):
+        return None
+    return LayerPlan(index=i, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                     head_dim=attn.head_dim, scale=float(attn.scaling), gelu=mlp.act is _gelu_tanh,
+                     **parts, **extra)
+
+
+class Decoder:
+    """Runs one token through a CPU model; `step` returns logits [1, vocab] float32."""
+
+    def __init__(self, lm: Any, layers: list[LayerPlan], norm: Norm, head: Linear) -> None:
+        self.lm, self.layers, self.norm, self.head = lm, layers, norm, head
+        self.body = lm.model.model
+        self.softcap = getattr(lm.model.config, "final_logit_softcapping", None)
+
+    def step(self, token: int, pos: int, router: Any, store: Any) -> torch.Tensor:
+        from ktlong.engine import position_embeddings
+
+        h_t = self.body.embed_tokens(torch.tensor([[token]]))  # [1, 1, hidden]
+        h = np.array(h_t.reshape(-1).float().numpy(), np.float32)  # the residual stream
+        x = np.empty_like(h)
+        rope: dict[int, tuple[Vec, Vec]] = {}  # per table (layer type): cos, sin [d]
+        embs = position_embeddings(self.body, h_t, torch.tensor([[pos]]))
+        for p in self.layers:
+            cs = embs[p.index]
+            if id(cs) not in rope:
+                rope[id(cs)] = (cs[0].reshape(-1).float().numpy(),
+                                cs[1].reshape(-1).float().numpy())
+            cos, sin = rope[id(cs)]
+            p.attn_norm(h, x)
+            q = p.q(x).reshape(p.heads, p.head_dim)
+            k = p.k(x).reshape(p.kv_heads, p.head_dim)
+            v = p.v(x).reshape(p.kv_heads, p.head_dim)
+            if p.q_norm is not None:
+                p.q_norm(q)
+                p.k_norm(k)
+            kernels.rope(q, cos, sin)
+            kernels.rope(k, cos, sin)
+            a = router.attend_one(p.index, q, k, v, p.scale)  # [Hq, d]
+            o = p.o(np.ascontiguousarray(a, np.float32).reshape(-1))
+            if p.attn_out_norm is not None:
+                p.attn_out_norm(o)
+            h += o
+            p.mlp_norm(h, x)
+            g = p.gate(x)
+            kernels.gated(g, p.up(x), p.gelu)
+            m = p.down(g)
+            if p.mlp_out_norm is not None:
+                p.mlp_out_norm(m)
+            h += m
+            store.check_resident()
+        logits = self.head(self.norm(h))
+        if self.softcap:
+            logits = np.tanh(logits / self.softcap) * self.softcap
+        return torch.from_numpy(logits)[None]
+
+
+def build(lm: Any) -> Decoder | None:
+    """The decoder for a CPU model whose modules this file knows, else None."""
+    if lm.device.type != "cpu":
+        return None
+    body = getattr(lm.model, "model", None)
+    head = getattr(lm.model, "lm_head", None)
+    if body is None or head is None or not hasattr(body, "layers"):
+        return None
+    layers = [_layer(i, layer) for i, layer in enumerate(body.layers)]
+    norm, head_fn = _norm(getattr(body, "norm", None)), _linear(head)
+    if any(p is None for p in layers) or norm is None or head_fn is None:
+        return None
+    return Decoder(lm, layers, norm, head_fn)

@@ -1,0 +1,95 @@
+"""The decode step ktlong runs itself (ktlong.decoder) against the model's own modules, and its
+small kernels (kernels/layer.py) against NumPy references."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from ktlong import decoder, kernels
+from ktlong.engine import Session
+from ktlong.model import load_model
+from ktlong.tinymodel import make_model
+from tests.models import ARCHS, gguf_model, hf_model, settings
+
+
+def test_layer_kernels_match_their_references():
+    rng = np.random.default_rng(0)
+    for plus_one in (False, True):
+        x = rng.standard_normal((3, 64)).astype(np.float32)
+        w = rng.standard_normal(64).astype(np.float32)
+        out = kernels.rmsnorm(x.copy(), w, 1e-6, plus_one, np.empty_like(x))
+        np.testing.assert_allclose(out, kernels.rmsnorm_ref(x, w, 1e-6, plus_one), rtol=1e-5,
+                                   atol=1e-5)
+    x1 = rng.standard_normal(96).astype(np.float32)
+    w1 = rng.standard_normal(96).astype(np.float32)
+    got = kernels.rmsnorm(x1.copy(), w1, 1e-5, False, x1.copy())  # in place, one vector
+    np.testing.assert_allclose(got, kernels.rmsnorm_ref(x1, w1, 1e-5, False), rtol=1e-5, atol=1e-5)
+    q = rng.standard_normal((4, 32)).astype(np.float32)
+    ang = np.arange(16) * 0.37
+    cos = np.cos(np.concatenate([ang, ang])).astype(np.float32)
+    sin = np.sin(np.concatenate([ang, ang])).astype(np.float32)
+    np.testing.assert_allclose(kernels.rope(q.copy(), cos, sin), kernels.rope_ref(q, cos, sin),
+                               rtol=1e-5, atol=1e-5)
+    g = (3 * rng.standard_normal(256)).astype(np.float32)
+    u = rng.standard_normal(256).astype(np.float32)
+    for gelu in (False, True):
+        np.testing.assert_allclose(kernels.gated(g.copy(), u, gelu), kernels.gated_ref(g, u, gelu),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _steps(path, n_prompt=300, n_steps=6, **kw):
+    """Logits of `n_steps` teacher-forced decode steps, by the decoder and by the modules."""
+    lm = load_model(path, device="CPU")
+    st = settings(**kw)
+    ids = list(np.random.default_rng(1).integers(3, lm.spec.vocab_size, n_prompt + n_steps))
+    out = []
+    for use in (True, False):
+        s = Session(lm, st)
+        assert (s.decoder is not None) == use or not use
+        if not use:
+            s.decoder = None
+        s.prefill(ids[:n_prompt])
+        out.append([s._forward([int(t)], None, sparse=True)[-1].numpy().copy()
+                    for t in ids[n_prompt:]])
+    return np.array(out[0]), np.array(out[1])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_step_equals_the_modules(arch):
+    """Float32 weights (no activation quantisation): the two ways agree to float rounding, for
+    every family (Qwen2's biases, Qwen3's QK norm), through the sparse path past the budget."""
+    mine, theirs = _steps(hf_model(arch))
+    np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_step_on_a_gguf_equals_the_modules():
+    """A GGUF of F32 tensors: Q/K rows in llama.cpp's order (the permutation) and a tied head."""
+    mine, theirs = _steps(gguf_model("llama", "F32"))
+    np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_step_of_a_gemma3_equals_the_modules(tmp_path):
+    """Gemma 3: 1 + w norms, the norms after attention and MLP, QK norm, tanh-GELU, two RoPE
+    tables, and sliding-window layers (a window of 16 tokens, so the ring drops rows)."""
+    path = make_model(tmp_path / "gemma", "gemma3_text", layers=6, hidden=64, heads=4,
+                      kv_heads=1, head_dim=16, sliding_window=16, seed=3)
+    mine, theirs = _steps(path, n_prompt=40, n_steps=30)
+    np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_the_decoder_does_not_know_runs_its_modules():
+    lm = load_model(hf_model("llama"), device="CPU")
+    body = lm.model.model
+    layer = body.layers[0]
+    saved = layer.input_layernorm
+    layer.input_layernorm = torch.nn.LayerNorm(saved.weight.shape[0])  # not an RMS norm
+    try:
+        assert decoder.build(lm) is None
+        assert Session(lm, settings()).decoder is None
+    finally:
+        layer.input_layernorm = saved
+    assert decoder.build(dataclasses.replace(lm, device=torch.device("meta"))) is None
