@@ -9,6 +9,7 @@ the settings to the module that does the work.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -92,6 +93,20 @@ def resolve(profile: str | None, sets: list[str] | None = None, **flags: Any) ->
     return resolve_settings(profile, overrides(sets, **flags))
 
 
+def fitted(res: Resolved, model: Path | str | None) -> Resolved:
+    """`res` fitted to the model (`ktlong.fit`: the sparse budget, max_seq_len 0), its notes on
+    stderr; as it is without a model (the command then says it needs one)."""
+    if model is None:
+        return res
+    from ktlong.fit import fit_to_model
+    from ktlong.spec import read_spec
+
+    res = fit_to_model(res, read_spec(model, need_weights=False))
+    for line in res.notes:
+        typer.echo(line, err=True)
+    return res
+
+
 # --- the one error handler ----------------------------------------------------------------------
 def _debug() -> bool:
     return os.environ.get("KTLONG_DEBUG", "") not in ("", "0")
@@ -161,13 +176,16 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
     Reads only the model's metadata (config.json or GGUF header), never its weights. Compares
     BF16, Q8_0 and Q4_0 unless --kv-type names one.
     """
-    from ktlong import configfile, memory, render
+    from ktlong import memory, render
+    from ktlong.config import write_values
 
     res = resolve(profile, kv_type=kv_type)
+    auto = res.settings.max_seq_len == 0
     if model is not None:
         from ktlong.spec import read_spec
 
         spec = read_spec(model, need_weights=False)
+        res = fitted(res, model)
     else:
         spec = memory.REFERENCE
     free_gpu = None if res.settings.device == "CPU" else memory.free_gpu_bytes()
@@ -183,11 +201,11 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
                               "left as it is",
                               hint="free memory or disk space, or try --kv-type Q4_0 or a "
                                    "smaller model")
-        configfile.set_values(res.config_file, {"max_seq_len": str(rec["max_seq_len"]),
-                                                "kv_type": rec["kv_type"],
-                                                "kv_tier": rec["kv_tier"]})
+        write_values(res.config_file, {"max_seq_len": str(rec["max_seq_len"]),
+                                       "kv_type": rec["kv_type"], "kv_tier": rec["kv_tier"]})
         written = str(res.config_file)
     configured = {k: getattr(res.settings, k) for k in ("max_seq_len", "kv_type", "kv_tier")}
+    configured["auto"] = auto
     if as_json:
         render.print_json(report | {"configured_max_seq_len": res.settings.max_seq_len,
                                     "configured": configured, "written": written})
@@ -248,8 +266,13 @@ def chat(model: ModelOpt = None,
         cache_root(res.settings, cdir)  # a file, not a folder: refused before anything slow
     files = _documents(prompt_file)
     if demo:
-        model, files = _demo_inputs(model, files, demo_tokens, res.settings)
-    code = chat_mod.run(model, files, res.settings, system=system, questions=questions or [],
+        from ktlong.demo import MODEL_DIR
+
+        st = fitted(res, model or MODEL_DIR).settings
+        model, files = _demo_inputs(model, files, demo_tokens, st)
+    else:
+        st = fitted(res, model).settings
+    code = chat_mod.run(model, files, st, system=system, questions=questions or [],
                         as_json=as_json, show_prompt_ids=show_prompt_ids, encoding=encoding,
                         use_cache=not no_cache, cache_dir=cdir)
     if code:
@@ -315,7 +338,8 @@ def prefill(model: ModelOpt = None,
     res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
                   threads_num=threads)
     cache_root(res.settings, cache_dir)  # a file, not a folder: refused before anything slow
-    run(model, _documents(prompt_file), res.settings, system=system, encoding=encoding,
+    run(model, _documents(prompt_file), fitted(res, model).settings, system=system,
+        encoding=encoding,
         cache_dir=cache_dir, as_json=as_json)
 
 
@@ -361,7 +385,7 @@ def serve(model: ModelOpt = None,
         from ktlong.demo import MODEL_DIR
 
         model = MODEL_DIR
-    server.run(model, _documents(prompt_file), res.settings, host=host, port=port,
+    server.run(model, _documents(prompt_file), fitted(res, model).settings, host=host, port=port,
                api_key=api_key, name=name, encoding=encoding, use_cache=not no_cache,
                cache_dir=cdir)
 
@@ -370,20 +394,25 @@ def serve(model: ModelOpt = None,
 @inspect_app.command("config")
 def inspect_config(keys: Annotated[list[str] | None, typer.Argument(
                        metavar="KEY", show_default=False, help="Only these keys.")] = None,
+                   model: Annotated[Path | None, typer.Option(
+                       "--model", "-m", metavar="DIR|FILE.gguf|NAME", show_default=False,
+                       callback=_model, help="Show the settings fitted to this model (its "
+                       "trained context, what fits in free memory).")] = None,
                    profile: ProfileOpt = None, sets: SetOpt = None,
                    max_seq_len: MaxSeqLenOpt = None, kv_type: KvTypeOpt = None,
                    device: DeviceOpt = None, threads: ThreadsOpt = None,
                    explain: Annotated[bool, typer.Option(
                        "--explain", help="Add each key's allowed values and meaning.")] = False,
                    as_json: JsonOpt = False) -> None:
-    """Effective settings and where each value came from (flag, env, profile, config, default)."""
+    """Effective settings and where each value came from (flag, env, profile, config, default;
+    with --model: fitted to it)."""
     from ktlong import render
 
     for key in keys or []:
         if key not in FIELDS:
             raise unknown_key(key, "inspect config")
-    res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
-                  threads_num=threads)
+    res = fitted(resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
+                         threads_num=threads), model)
     if as_json:
         shown = keys or list(FIELDS)
         data: dict[str, Any] = {
@@ -444,7 +473,8 @@ def inspect_attention(prompt_file: Annotated[Path, typer.Option(
 
     res = resolve(profile, sets, max_seq_len=max_seq_len, kv_type=kv_type, device=device,
                   threads_num=threads)
-    attention_main(model, prompt_file, question, res.settings, profile, tokens, as_json, png)
+    attention_main(model, prompt_file, question, fitted(res, model).settings, profile, tokens,
+                   as_json, png)
 
 
 @inspect_app.command("document")
@@ -873,13 +903,15 @@ def bench_serve(tokens: Annotated[str, typer.Option(
         n = parse_int(tokens)
     except ValueError:
         raise KtlongError(f"--tokens {tokens!r}: expected a number like 32768 or 32K") from None
-    res = resolve(profile, sets, threads_num=threads)
-    if res.settings.max_seq_len < n + 1024:  # the document, a question and the answer
-        res = resolve(profile, sets, threads_num=threads, max_seq_len=n + 4096)
+    from ktlong.demo import MODEL_DIR
+
+    st = fitted(resolve(profile, sets, threads_num=threads), model or MODEL_DIR).settings
+    if st.max_seq_len < n + 1024:  # the document, a question and the answer
+        st = dataclasses.replace(st, max_seq_len=n + 4096)
     command = (f"ktlong bench serve --tokens {tokens}{f' --model {model}' if model else ''}"
                f"{f' --profile {profile}' if profile else ''}"
                f"{f' -t {threads}' if threads is not None else ''}")
-    bench.main(n, res.settings, model, as_json, command)
+    bench.main(n, st, model, as_json, command)
 
 
 @bench_app.command("agree")

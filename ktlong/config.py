@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -52,6 +53,7 @@ def _f(kind: str, default: Any, group: str, description: str, lo: float | None =
 
 _KV_TYPES = ("BF16", "FP16", "FP32", "Q8_0", "Q4_0")
 MAX_SEQ_LEN = 1 << 24  # 16M tokens: beyond any model's context (a larger number is a typo)
+FULL_CONTEXT = 1 << 20  # the longest context ktlong aims for (memcheck, max_seq_len 0)
 CHUNK_AUTO = {False: 1024, True: 4096}  # chunk_size 0: tokens per prefill chunk (CPU, CUDA)
 _ANCHORS = ("DYNAMIC", "MAX", "MEAN", "QUEST", "FIX")
 
@@ -62,8 +64,10 @@ class Settings:
     checked on construction (enums accepted in any case), so an invalid Settings cannot exist."""
 
     # memory
-    max_seq_len: int = _f("int", 131072, "memory", "Most tokens the KV cache holds (document + "
-                          "chat)", 1, MAX_SEQ_LEN)
+    max_seq_len: int = _f("int", 0, "memory", "Most tokens the KV cache holds (document + "
+                          "chat); 0 = what fits in free RAM for the model loaded, up to "
+                          f"{FULL_CONTEXT >> 20}M (attention DENSE: up to its max positions)", 0,
+                          MAX_SEQ_LEN)
     kv_type: str = _f("enum", "BF16", "memory", "Format of the stored K and V: 16 or 32-bit "
                       "floats, or llama.cpp-style blocks of 32 values with one scale (Q8_0: 8.5 "
                       "bits a value, Q4_0: 4.5)", choices=_KV_TYPES)
@@ -360,6 +364,7 @@ class Resolved:
     settings: Settings
     sources: dict[str, str]
     config_file: Path
+    notes: tuple[str, ...] = ()  # lines for the user (`ktlong.fit`: what was fitted, warnings)
 
 
 def resolve_settings(profile: str | None = None,
@@ -379,7 +384,11 @@ def resolve_settings(profile: str | None = None,
         sources.update(dict.fromkeys(layer, label))
 
     if config_file:
-        apply(load_layer(configfile.read_text(path), str(path)), f"config:{path}")
+        text = configfile.read_text(path)
+        layer = load_layer(text, str(path))
+        if first_run_note(text, str(path)):
+            layer["max_seq_len"] = 0  # the number an older first run chose for an 8B model
+        apply(layer, f"config:{path}")
     if profile:
         label, origin, text = profile_text(profile)
         apply(load_layer(text, origin), f"profile:{label}")
@@ -418,21 +427,32 @@ def yaml_value(value: Any) -> str:
     return repr(value)
 
 
-def _entry(key: str, value: Any, note: str = "") -> str:
+def _entry(key: str, value: Any) -> str:
     spec = FIELDS[key]
-    return f"# {spec.description} ({spec.allowed()}){note}\n{key}: {yaml_value(value)}\n"
+    return f"# {spec.description} ({spec.allowed()})\n{key}: {yaml_value(value)}\n"
 
 
-def _first_run_max_seq_len() -> tuple[int, str]:
-    from ktlong import memory
-
-    free = memory.free_dram_bytes()
-    n = max(memory.recommend_max_seq_len(memory.REFERENCE, FIELDS["kv_type"].default, free), 4096)
-    return n, (f"\n# chosen from {memory.gb(free)} free DRAM for an 8B model; "
-               "`ktlong memcheck --model M --write` fits it to yours")
+_FIRST_RUN_NOTE = re.compile(r"# chosen from .* free DRAM for an 8B model")
 
 
-def render_config(values: dict[str, Any], notes: dict[str, str] | None = None) -> str:
+def first_run_note(text: str, origin: str) -> int | None:
+    """The line (1-based) of the note an older first run wrote above the max_seq_len it chose
+    for an 8B model, when the file still has it: that number means 0 (what fits the model)."""
+    entry = configfile.parse_mapping(text, origin).get("max_seq_len")
+    lines = text.splitlines()
+    if entry is None or entry.line < 2 or not _FIRST_RUN_NOTE.match(lines[entry.line - 2]):
+        return None
+    return entry.line - 1
+
+
+def write_values(path: Path, values: dict[str, str]) -> None:
+    """Set keys of config.yaml in one edit (`memcheck --write`). An older first run's note above
+    max_seq_len goes with it: the number written is the user's own."""
+    note = first_run_note(configfile.read_text(path), str(path))
+    configfile.set_values(path, values, drop_comments=(note,) if note else ())
+
+
+def render_config(values: dict[str, Any]) -> str:
     """The whole first-run file: a header, then each group's keys with a comment each."""
     from ktlong import __version__
 
@@ -442,7 +462,7 @@ def render_config(values: dict[str, Any], notes: dict[str, str] | None = None) -
         if spec.group != group:
             group = spec.group
             out.append(f"\n# -- {group} --\n")
-        out.append(_entry(key, values[key], (notes or {}).get(key, "")))
+        out.append(_entry(key, values[key]))
     return "".join(out)
 
 
@@ -462,10 +482,8 @@ def ensure_config() -> Path:
         raise KtlongError(f"cannot use {home} as the ktlong home: {e.strerror or e}",
                           hint=fix) from None
     if not exists:
-        n, note = _first_run_max_seq_len()
-        values = {k: s.default for k, s in FIELDS.items()} | {"max_seq_len": n}
         try:
-            configfile.atomic_write(path, render_config(values, {"max_seq_len": note}))
+            configfile.atomic_write(path, render_config({k: s.default for k, s in FIELDS.items()}))
         except OSError as e:
             raise KtlongError(f"cannot write {path}: {e.strerror or e}", hint=fix) from None
         return path
@@ -476,11 +494,7 @@ def ensure_config() -> Path:
 
         block = f"\n# -- added by ktlong {__version__} --\n"
         for key in missing:
-            if key == "max_seq_len":
-                n, note = _first_run_max_seq_len()
-                block += _entry(key, n, note)
-            else:
-                block += _entry(key, FIELDS[key].default)
+            block += _entry(key, FIELDS[key].default)
         try:
             configfile.append_block(path, block)
         except OSError:

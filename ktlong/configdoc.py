@@ -24,7 +24,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 # Defaults that the schema alone does not tell the whole of.
 DEFAULT_NOTES = {
-    "max_seq_len": "on first run, what fits in free DRAM",
+    "max_seq_len": "auto: what fits the model loaded",
 }
 
 

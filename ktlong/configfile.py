@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,11 +114,15 @@ def set_value(path: Path, key: str, value_text: str, comment: str = "") -> None:
     set_values(path, {key: value_text}, {key: comment} if comment else None)
 
 
-def set_values(path: Path, values: dict[str, str], comments: dict[str, str] | None = None) -> None:
-    """`set_value` for several keys in one atomic write: all of them change, or none."""
+def set_values(path: Path, values: dict[str, str], comments: dict[str, str] | None = None,
+               drop_comments: Collection[int] = ()) -> None:
+    """`set_value` for several keys in one atomic write: all of them change, or none.
+    `drop_comments`: 1-based lines to delete in the same write, each a comment line."""
     text = read_text(path)
     before = parse_mapping(text, str(path))
-    new_text = text
+    lines = text.splitlines(keepends=True)
+    new_text = "".join(line for i, line in enumerate(lines, 1)
+                       if i not in drop_comments or not line.lstrip().startswith("#"))
     for key, value_text in values.items():
         new_text = _edit(new_text, path, key, value_text, (comments or {}).get(key, ""))
     after = parse_mapping(new_text, str(path))

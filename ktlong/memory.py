@@ -25,8 +25,9 @@ from typing import Any
 
 import psutil
 
-from ktlong.config import MAX_SEQ_LEN, Settings, ktlong_home
+from ktlong.config import FULL_CONTEXT, MAX_SEQ_LEN, Settings, ktlong_home
 from ktlong.errors import KtlongError
+from ktlong.spec import trained_context
 
 GIB = 1024**3
 OS_RESERVE = 2 * GIB  # OS + Python + torch
@@ -36,7 +37,6 @@ ANCHOR_EXTRA = 4  # bytes after an anchor's head_dim codes: its scale (kernels/a
 GPU_ACTIVATIONS = 1 * GIB  # one prefill chunk's activations
 LENGTHS = (("4K", 4096), ("32K", 32768), ("64K", 65536), ("128K", 131072), ("256K", 262144),
            ("512K", 524288), ("1M", 1048576))
-FULL_CONTEXT = 1 << 20  # the longest context memcheck aims for (or the model's own, if shorter)
 SHOWN_KV_TYPES = ("BF16", "Q8_0", "Q4_0")  # memcheck's comparison, most precise first
 DISK_KV_TYPES = ("Q8_0", "Q4_0")  # offered with the disk tier: decode reads fewer pages
 _UNLIMITED = 1 << 60  # cgroup v1 writes ~2**63 for "no limit"
@@ -113,16 +113,14 @@ def gpu_need(spec: Any, kv_type: str, tokens: int) -> int:
 
 
 def recommend_max_seq_len(spec: Any, kv_type: str, free_bytes: int,
-                          weights_in_dram: bool = True) -> int:
-    """Largest multiple of 1024 tokens whose `dram_need` fits in `free_bytes`, capped at the
-    model's own max positions and the largest max_seq_len; 0 when not even 1024 tokens fit."""
+                          weights_in_dram: bool = True, cap: int | None = None) -> int:
+    """Largest multiple of 1024 tokens whose `dram_need` fits in `free_bytes`, capped at `cap`
+    (default `length_cap`: the model's own max positions); 0 when not even 1024 tokens fit."""
     usable = free_bytes - OS_RESERVE - (spec.weights_bytes if weights_in_dram else 0)
     usable -= window_bytes(spec) * (1 + KV_MARGIN)
     per_token = kv_bytes_per_token(spec, kv_type) * (1 + KV_MARGIN)
     tokens = max(min(int(usable / per_token), MAX_SEQ_LEN) // 1024 * 1024, 0)
-    if spec.max_positions and spec.max_positions > 0:
-        tokens = min(tokens, spec.max_positions)
-    return tokens
+    return min(tokens, length_cap(spec) if cap is None else cap)
 
 
 def step_tokens(settings: Any) -> int:
@@ -188,14 +186,15 @@ def length_cap(spec: Any) -> int:
 
 
 def longest_disk_tier(spec: Any, kv_type: str, free_dram: int, free_disk: int,
-                      settings: Any = _DEFAULTS, weights_in_dram: bool = True) -> int:
-    """Longest context the disk tier holds: its file fits on free disk (less DISK_RESERVE) and
-    its DRAM part in free DRAM."""
+                      settings: Any = _DEFAULTS, weights_in_dram: bool = True,
+                      cap: int | None = None) -> int:
+    """Longest context the disk tier holds, up to `cap` (default `length_cap`): its file fits on
+    free disk (less DISK_RESERVE) and its DRAM part in free DRAM."""
     def fits(n: int) -> bool:
         return (disk_need(spec, kv_type, n, settings) <= free_disk - DISK_RESERVE
                 and disk_tier_dram(spec, kv_type, n, settings, weights_in_dram) <= free_dram)
 
-    return longest(fits, length_cap(spec))
+    return longest(fits, length_cap(spec) if cap is None else cap)
 
 
 def full_context(spec: Any) -> int:
@@ -418,6 +417,7 @@ class Row:
     fits_disk_tier: bool | None  # None: free disk not known
     gpu_need: int | None
     fits_gpu: bool | None
+    past_trained: bool  # longer than the model's trained context: read with blocks
 
 
 def lengths_of(spec: Any) -> list[tuple[str, int]]:
@@ -435,6 +435,7 @@ def length_rows(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None,
     """One row per standard length plus the model's own max positions, for one kv_type."""
     kv_type = kv_type.upper()
     in_dram = free_gpu is None  # a GPU holds the weights
+    trained = trained_context(spec)
     rows = []
     for label, n in lengths_of(spec):
         need = dram_need(spec, kv_type, n, weights_in_dram=in_dram)
@@ -445,7 +446,8 @@ def length_rows(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None,
         g = gpu_need(spec, kv_type, n) if free_gpu is not None else None
         rows.append(Row(label, n, kv_type, kv_bytes_per_token(spec, kv_type) * n, need,
                         need <= free_dram, tier_dram, disk, fits_disk,
-                        g, None if g is None or free_gpu is None else g <= free_gpu))
+                        g, None if g is None or free_gpu is None else g <= free_gpu,
+                        0 < trained < n))
     return rows
 
 
@@ -480,6 +482,8 @@ def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
         "sliding_layers": len(getattr(spec, "sliding_layers", ())),
         "sliding_window": getattr(spec, "sliding_window", 0),
         "max_positions": spec.max_positions,
+        "trained_context": trained_context(spec),
+        "attention": settings.attention,
         "full_context": full_context(spec),
         "kv_type": kv_type.upper() if kv_type else None,  # the --kv-type asked for, if any
         "kv_types": types,

@@ -61,26 +61,37 @@ def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None)
               + ("disk unknown" if disk is None else
                  f"disk {memory.gb(disk)} ({escape(str(r['disk_folder']))})") + ", "
               + ("no CUDA GPU" if gpu is None else f"GPU {memory.gb(gpu)}"))
+    past = any(row["past_trained"] for row in r["rows"])
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("context", "tokens", "KV", "KV cache", "RAM tier\nRAM", "disk tier\nRAM",
                 "disk tier\ndisk", "fits", *(("GPU\npeak", "fits\nGPU") if gpu is not None
-                                             else ())):
-        table.add_column(col, justify="left" if col in ("context", "KV", "fits") else "right")
+                                             else ()), *(("past\ntrained",) if past else ())):
+        table.add_column(col, justify="left" if col in ("context", "KV", "fits", "past\ntrained")
+                         else "right")
+    dense = r["attention"] == "DENSE"
     last = None
     for row in r["rows"]:
         label = row["label"].replace(" (model max)", "*").replace("model max", "model max*")
         first = row["tokens"] != last
         last = row["tokens"]
         gpu_cells = () if gpu is None else (memory.gb(row["gpu_need"]), _yes(row["fits_gpu"]))
+        past_cell = () if not past else (
+            ("[red]unseen[/]" if dense else "[yellow]blocks[/]") if row["past_trained"] else "",)
         table.add_row(label if first else "", f"{row['tokens']:,}" if first else "",
                       row["kv_type"], memory.size(row["kv_bytes"]), memory.size(row["dram_need"]),
                       memory.size(row["disk_tier_dram"]), memory.size(row["disk_need"]),
                       _fits(row),
-                      *gpu_cells)
+                      *gpu_cells, *past_cell)
     out.print(table)
     out.print(f"* the model's own maximum context. RAM tier: {r['headroom']}. Disk tier: the KV "
               f"in a file (disk, {r['disk_reserve_bytes'] / memory.GIB:g} GiB kept free), in RAM "
               f"{r['disk_headroom']}. fits: RAM = in RAM, disk = only with the KV on disk.")
+    if past:
+        out.print(f"past trained: longer than the model's trained context "
+                  f"({r['trained_context']:,} tokens); "
+                  + ("attention DENSE reads it from distances the model was never trained on."
+                     if dense else "read with blocks: a decode step reads "
+                     f"{r['step_tokens']:,} tokens, none from further, whatever the length."))
     lab = memory.tokens_label
     out.print("longest context in free RAM: " + ", ".join(
         f"{t} {lab(r['longest'][t]['RAM'])}" for t in types))
@@ -94,13 +105,18 @@ def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None)
     else:
         out.print(f"recommended: [bold]max_seq_len {rec['max_seq_len']:,}, kv_type "
                   f"{rec['kv_type']}, kv_tier {rec['kv_tier']}[/] ({rec['why']})")
-    out.print(f"configured: max_seq_len {configured['max_seq_len']:,}, kv_type "
-              f"{configured['kv_type']}, kv_tier {configured['kv_tier']}")
+    n, auto = configured["max_seq_len"], configured["auto"]
+    length = ("auto (what fits the model loaded)" if not n else f"{n:,} (auto: what fits this "
+              "model)") if auto else f"{n:,}"
+    out.print(f"configured: max_seq_len {length}, kv_type {configured['kv_type']}, kv_tier "
+              f"{configured['kv_tier']}")
+    other = any(configured[k] != rec[k] for k in ("kv_type", "kv_tier"))
+    # auto already holds what fits in RAM for this model: only a longer reach is worth writing
+    worth = (rec["max_seq_len"] > n if n else other) if auto else rec["max_seq_len"] != n or other
     if written:
         out.print(f"wrote max_seq_len: {rec['max_seq_len']}, kv_type: {rec['kv_type']}, "
                   f"kv_tier: {rec['kv_tier']} to {escape(written)}")
-    elif rec["max_seq_len"] and any(configured[k] != rec[k]
-                                    for k in ("max_seq_len", "kv_type", "kv_tier")):
+    elif rec["max_seq_len"] and worth:
         out.print("[yellow]run `ktlong memcheck --write` (with your --model) to store the "
                   "recommendation[/]")
 

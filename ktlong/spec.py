@@ -67,6 +67,24 @@ class ModelSpec:
         return asdict(self)
 
 
+# RoPE extensions that stretch positions past the length the model was trained at (llama3's is
+# not one: Llama 3.1 was trained at its full max positions)
+_STRETCHED_ROPE = ("yarn", "linear", "dynamic", "longrope")
+
+
+def trained_context(spec: Any) -> int:
+    """The longest distance the model was trained on (0: unknown): its max positions, or the
+    original length under a YaRN / linear / dynamic / LongRoPE extension that names one."""
+    n = int(getattr(spec, "max_positions", 0) or 0)
+    scaling = getattr(spec, "rope_scaling", None) or {}
+    kind = str(scaling.get("rope_type") or scaling.get("type") or "").lower()
+    original = int(scaling.get("original_max_position_embeddings")
+                   or scaling.get("original_context_length") or 0)
+    if kind in _STRETCHED_ROPE and original > 0:
+        return min(n, original) if n > 0 else original
+    return n
+
+
 def read_spec(path: str | os.PathLike[str], need_weights: bool = True) -> ModelSpec:
     """Read a model's shape from an HF folder or a GGUF file without reading tensor data.
 
@@ -456,6 +474,9 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
     rope_scaling = None
     if key("rope.scaling.type") not in (None, "none"):
         rope_scaling = {"type": key("rope.scaling.type"), "factor": key("rope.scaling.factor")}
+        original = key("rope.scaling.original_context_length")
+        if original:
+            rope_scaling["original_context_length"] = int(original)
 
     h = hashlib.sha256()
     _file_fingerprint(

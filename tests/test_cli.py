@@ -283,6 +283,65 @@ def test_inspect_config_json_sources(ktlong_home: Path) -> None:
     assert data["config_file"] == str(ktlong_home / "config.yaml")
 
 
+def test_inspect_config_shows_what_was_fitted_to_a_model(shape_dir: Callable[..., Path],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 20 * 10**9)
+    model = str(shape_dir(max_position_embeddings=8192))
+    r = run("inspect", "config", "-m", model, "--json", "--set", "init_len=256")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    s, src = data["settings"], data["sources"]
+    fitted = "fitted to the model's trained context 8,192"
+    assert (s["local_windows_len"], src["local_windows_len"]) == (1408, fitted)
+    assert (s["second_select_num"], src["second_select_num"]) == (35, fitted)  # 256 + 35 x 128
+    assert (s["init_len"], src["init_len"]) == (256, "flag")
+    assert src["block_size"].startswith("config:") and src["max_seq_len"].startswith("auto: ")
+    assert s["max_seq_len"] > 8192 and r.stderr.startswith(f"note: {fitted} tokens: ")
+    r = run("inspect", "config", "-m", model, "local_windows_len", "max_seq_len", "block_size")
+    assert r.exit_code == 0, r.output
+    assert fitted in r.stdout and "auto: what fits in free RAM" in r.stdout
+    assert "│ config " in r.stdout  # block_size: the default, as config.yaml has it
+    r = run("inspect", "config", "local_windows_len", "--json")  # no model: nothing fitted
+    assert json.loads(r.stdout)["settings"]["local_windows_len"] == 4096 and not r.stderr
+
+
+def test_memcheck_marks_lengths_past_the_trained_context(shape_dir: Callable[..., Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 20 * 10**9)
+    model = str(shape_dir(max_position_embeddings=8192))
+    data = json.loads(run("memcheck", "-m", model, "--kv-type", "bf16", "--json").stdout)
+    assert data["trained_context"] == 8192
+    assert [(r["tokens"], r["past_trained"]) for r in data["rows"]][:3] == [
+        (4096, False), (8192, False), (32768, True)]
+    assert data["step_tokens"] == (1 + 36 + 11 + 1) * 128  # the budget fitted to 8K
+    r = run("memcheck", "-m", model, "--kv-type", "bf16")
+    assert r.exit_code == 0, r.output
+    rows = {w[0]: w for w in map(str.split, r.stdout.splitlines()) if w and w[0][0].isdigit()}
+    assert rows["32K"][-1] == "blocks" and rows["4K"][-1] == "RAM"
+    assert ("past trained: longer than the model's trained context (8,192 tokens); read with "
+            "blocks: a decode step reads 6,272 tokens") in r.stdout
+    # auto: (20 GB - 2 GiB) / (128 KiB a token + 10%) = 123,822 tokens, in whole K
+    assert "configured: max_seq_len 122,880 (auto: what fits this model)" in r.stdout
+    assert "memcheck --write" not in r.stdout  # the recommendation (8K, in RAM) reaches less
+    dense = run("memcheck", "-m", model, "--kv-type", "bf16", "--profile", "dense")
+    assert "attention DENSE reads it from distances" in dense.stdout
+    long = shape_dir("long", max_position_embeddings=1 << 20)  # every row inside its training
+    assert "past trained" not in run("memcheck", "--model", str(long)).stdout
+
+
+def test_demo_past_the_old_8b_limit_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_seq_len 0 fits the demo model (1 KB of KV a token), not an 8B's 44K."""
+    from ktlong import chat
+
+    seen = {}
+    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 24 * 10**9)
+    monkeypatch.setattr(chat, "run", lambda model, files, st, **kw: seen.setdefault("st", st)
+                        and 0)
+    r = run("chat", "--demo", "--demo-tokens", "64K", "-q", "hi")
+    assert r.exit_code == 0, r.output
+    assert seen["st"].max_seq_len == 1 << 20 and "does not fit" not in r.stderr
+
+
 def test_inspect_config_table_explain_and_keys() -> None:
     r = run("inspect", "config", "--explain", "anchor_type", "block_size")
     assert r.exit_code == 0, r.output

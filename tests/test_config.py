@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ktlong import config, configfile, memory
+from ktlong import config, configfile
 from ktlong.config import FIELDS, Settings, resolve_settings
 from ktlong.errors import KtlongError
 
-# docs/internals.md, "Settings": every key and its default (max_seq_len is machine-dependent)
+# docs/internals.md, "Settings": every key and its default
 INTERNALS_DEFAULTS = dict(
-    chunk_size=0, kv_type="BF16", kv_tier="AUTO", overflow="SHIFT", device="AUTO",
+    max_seq_len=0, chunk_size=0, kv_type="BF16", kv_tier="AUTO", overflow="SHIFT", device="AUTO",
     weight_type="AUTO",
     prefill_matmul="AUTO",
     threads_num=0,
@@ -44,7 +44,7 @@ def write_config(home: Path, text: str) -> Path:
 # --- the typed structure ------------------------------------------------------------------------
 
 def test_every_key_of_internals_with_its_default() -> None:
-    assert set(FIELDS) == set(INTERNALS_DEFAULTS) | {"max_seq_len"}
+    assert set(FIELDS) == set(INTERNALS_DEFAULTS)
     s = Settings()
     for key, value in INTERNALS_DEFAULTS.items():
         assert getattr(s, key) == value, key
@@ -225,9 +225,7 @@ def test_unusable_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- first run and merging ----------------------------------------------------------------------
 
-def test_first_run_writes_every_key_with_a_comment(ktlong_home: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 64 * 10**9)
+def test_first_run_writes_every_key_with_a_comment(ktlong_home: Path) -> None:
     r = resolve_settings()
     path = ktlong_home / "config.yaml"
     text = path.read_text()
@@ -237,16 +235,29 @@ def test_first_run_writes_every_key_with_a_comment(ktlong_home: Path,
     for key in FIELDS:
         i = next(n for n, line in enumerate(lines) if line.startswith(f"{key}:"))
         assert lines[i - 1].startswith("# "), key
-    expected = memory.recommend_max_seq_len(memory.REFERENCE, "BF16", 64 * 10**9)
-    assert data["max_seq_len"] == expected == r.settings.max_seq_len
+    assert data["max_seq_len"] == 0 == r.settings.max_seq_len  # what fits the model loaded
     for key, value in INTERNALS_DEFAULTS.items():
         assert data[key] == value, key
     assert not [p for p in ktlong_home.iterdir() if p.name != "config.yaml"]  # no temp files
 
 
-def test_first_run_max_seq_len_never_below_4k(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "free_dram_bytes", lambda: 10**9)
-    assert resolve_settings().settings.max_seq_len == 4096
+# what an older first run wrote: a number chosen for an 8B model, with this note above it
+OLD_FIRST_RUN = ("# Most tokens the KV cache holds (document + chat) (int 1..16777216)\n"
+                 "# chosen from 24.4 GB free DRAM for an 8B model; `ktlong memcheck --model M "
+                 "--write` fits it to yours\nmax_seq_len: 44032\n")
+
+
+def test_an_older_first_run_number_means_auto_and_a_typed_one_stays(ktlong_home: Path) -> None:
+    path = write_config(ktlong_home, OLD_FIRST_RUN + "top_k: 3\n")
+    r = resolve_settings()
+    assert r.settings.max_seq_len == 0 and r.sources["max_seq_len"] == f"config:{path}"
+    assert path.read_text().startswith(OLD_FIRST_RUN + "top_k: 3\n")  # never rewritten
+    config.write_values(path, {"max_seq_len": "65536"})  # memcheck --write: the number is theirs
+    first, _note, _n = OLD_FIRST_RUN.splitlines()
+    assert path.read_text().startswith(f"{first}\nmax_seq_len: 65536\ntop_k: 3\n")
+    assert resolve_settings().settings.max_seq_len == 65536
+    write_config(ktlong_home, "# my own\nmax_seq_len: 44032\n")  # typed: kept as it is
+    assert resolve_settings().settings.max_seq_len == 44032
 
 
 def test_user_edits_survive_and_new_keys_are_appended(ktlong_home: Path) -> None:

@@ -98,6 +98,7 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     from ktlong.config import resolve_settings
     from ktlong.conversation import Conversation
     from ktlong.engine import Sampling, Session
+    from ktlong.fit import fit_to_model
     from ktlong.kvstore import StoreShape
     from ktlong.model import load_model
 
@@ -112,7 +113,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     for n_tok in lengths:
         cap = n_tok + 1024
         common = {"max_seq_len": cap, "device": "CPU", "threads_num": threads}
-        per = {p: resolve_settings(p, common, config_file=False).settings for p in profiles}
+        per = {p: fit_to_model(resolve_settings(p, common, config_file=False), spec).settings
+               for p in profiles}  # each profile's budget fitted to the model's trained context
         bases = {}  # prefill key -> the dense settings that prefill the document that way
         for st in per.values():
             key = _prefill_key(st)
