@@ -4,7 +4,9 @@ Each document is tokenized once (ktlong's tokenizer, its BOS included) and cut t
 (a profile, `dense` by default) and llama.cpp (llama-cpp-python, same GGUF, same ids, greedy)
 each decode `new` tokens. Reported per document: the tokens in common before the first
 difference and, at that difference, ktlong's top-two logit margin (a small margin is a float
-rounding tie, not a wrong model) and what each side chose.
+rounding tie, not a wrong model) and what each side chose. llama.cpp decodes twice, without and
+with flash attention: where those two runs part as early, llama.cpp's own rounding (8-bit
+activations, F16 attention) decides the tokens there, and no exact implementation can follow it.
 """
 
 from __future__ import annotations
@@ -41,17 +43,25 @@ def _ktlong(lm: Any, profile: str, ids: list[int], new: int, threads: int) -> di
     return {"tokens": out, "margins": margins}
 
 
-def _llamacpp(gguf: str, ids: list[int], new: int, threads: int) -> list[int]:
+def _llamacpp(gguf: str, ids: list[int], new: int, threads: int,
+              flash_attn: bool = False) -> list[int]:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(ids) + new + 16, n_batch=512,
-                          n_threads=threads, n_threads_batch=threads, verbose=False)
+                          n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn,
+                          verbose=False)
     out = []
     for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
         out.append(int(tok))
         if len(out) == new:
             break
     return out
+
+
+def _common(a: list[int], b: list[int], new: int) -> int:
+    """Tokens in common before the first difference."""
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(new, len(a), len(b)))
 
 
 def run(model: str, docs: list[tuple[str, int]], new: int, profile: str,
@@ -68,10 +78,11 @@ def run(model: str, docs: list[tuple[str, int]], new: int, profile: str,
         ids = lm.tokenizer(text)["input_ids"][:n]
         kt = _ktlong(lm, profile, ids, new, threads)
         lc = _llamacpp(model, ids, new, threads)
-        pairs = enumerate(zip(kt["tokens"], lc, strict=False))
-        same = next((i for i, (a, b) in pairs if a != b), min(new, len(lc)))
+        lc_fa = _llamacpp(model, ids, new, threads, flash_attn=True)
+        same = _common(kt["tokens"], lc, new)
         row = {"document": path, "prompt_tokens": len(ids), "new": new, "agree": same,
-               "ktlong": kt["tokens"], "llamacpp": lc}
+               "llamacpp_self": _common(lc, lc_fa, new), "ktlong": kt["tokens"],
+               "llamacpp": lc, "llamacpp_flash_attn": lc_fa}
         if same < new:
             row.update(margin=kt["margins"][same], ktlong_token=kt["tokens"][same],
                        llamacpp_token=lc[same],
@@ -86,12 +97,13 @@ def print_table(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title=f"greedy tokens, ktlong ({data['profile']}) vs llama.cpp: {data['model']}")
-    for c in ("document", "prompt", "same tokens", "first difference"):
+    for c in ("document", "prompt", "same tokens", "first difference",
+              "llama.cpp vs itself (flash attn)"):
         t.add_column(c)
     for r in data["rows"]:
         diff = "none" if r["agree"] == r["new"] else (
             f"token {r['agree']}: ktlong {r['ktlong_token']}, llama.cpp {r['llamacpp_token']} "
             f"(ktlong's top-2 margin {r['margin']:.3f})")
         t.add_row(escape(Path(r["document"]).name), f"{r['prompt_tokens']:,}",
-                  f"{r['agree']} of {r['new']}", diff)
+                  f"{r['agree']} of {r['new']}", diff, f"{r['llamacpp_self']} of {r['new']}")
     Console().print(t)

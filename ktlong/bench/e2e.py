@@ -190,7 +190,9 @@ def _warm(runtime: str, tiny: str, ids: list[int], threads: int, kv_type: str = 
     GGUF beside it; ktlong in the same kv_type and kv_tier): code, compiled kernels, thread pools
     and allocator set-up are then loaded, so they fall in the baseline and not in what the
     benchmark model adds."""
-    ids = ids[:WARM_TOKENS]
+    folder = Path(tiny) if Path(tiny).is_dir() else Path(tiny).with_suffix("")
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    ids = [i % vocab for i in ids[:WARM_TOKENS]]  # the benchmark model's ids, in the tiny's
     if runtime.startswith("ktlong-"):
         import dataclasses
 
@@ -329,18 +331,20 @@ def _prepare(root: Path, contexts: list[int], new_tokens: int, shape: dict[str, 
         from ktlong.spec import read_spec
 
         spec = read_spec(model)
-        tiny = make_model(root / "tiny", spec.arch if spec.arch != "mistral" else "llama",
+        # the warm-up model: the same family where the tiny writer knows it, else a Llama
+        tiny = make_model(root / "tiny", spec.arch if spec.arch in ("qwen2", "qwen3") else "llama",
                           dtype="bfloat16", **tiny_shape)
         if spec.format == "gguf":
             top = max(spec.weight_types, key=lambda t: spec.weight_types[t])
             write_gguf(tiny, tiny.with_suffix(".gguf"), top if top in (
-                "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "F16", "F32") else "Q8_0")
+                "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "F32")
+                else "Q8_0")
             tok = (str(Path(spec.path).parent), Path(spec.path).name)
         else:
             tok = spec.path
         return dict(model=spec.path, gguf=spec.path if spec.format == "gguf" else "",
                     tiny=str(tiny), tokenizer=tok, describe=f"{spec.path} ({spec.arch})",
-                    origin="")
+                    origin="", prose=True)
     hf = make_model(
         root / "hf", "llama", max_positions=2 * (max(contexts) + new_tokens + 16),
         dtype="bfloat16", **shape
@@ -354,7 +358,8 @@ def _prepare(root: Path, contexts: list[int], new_tokens: int, shape: dict[str, 
                 describe=f"random Llama {shape}", origin="")
 
 
-def _prompt_ids(tokenizer: str | tuple[str, str], n: int) -> list[int]:
+def _prompt_ids(tokenizer: str | tuple[str, str], n: int, prose: bool = False) -> list[int]:
+    """`n` prompt ids: real prose for a real model (ktlong.bench.prose), else filler words."""
     from transformers import AutoTokenizer
 
     from ktlong.tinymodel import filler_text
@@ -363,6 +368,10 @@ def _prompt_ids(tokenizer: str | tuple[str, str], n: int) -> list[int]:
         tok = AutoTokenizer.from_pretrained(tokenizer[0], gguf_file=tokenizer[1])
     else:
         tok = AutoTokenizer.from_pretrained(tokenizer)
+    if prose:
+        from ktlong.bench import prose as real
+
+        return real.ids(tok, n)
     words = n
     while len(ids := tok(filler_text(words, seed=0))["input_ids"]) < n:
         words *= 2
@@ -396,7 +405,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
     files = _prepare(root, contexts, new_tokens, shape, model, gen, have_llamacpp, log)
     ids_files = {}
     for n in contexts:  # tokenize once; every runtime is fed these ids
-        ids = _prompt_ids(files["tokenizer"], n)
+        ids = _prompt_ids(files["tokenizer"], n, files.get("prose", False))
         ids_files[n] = root / f"ids-{n}.json"
         ids_files[n].write_text(json.dumps(ids))
     argv = [files["model"], files["gguf"] or "-"]
