@@ -137,10 +137,7 @@ class AttentionRouter:
         [Hkv, d] float32 -> attention output [Hq, d] float32."""
         if self.window is not None and layer in self.window:
             return self.window.attend_one(layer, q, k, v, scale)
-        if self.local is not None:  # the local window's device takes torch tensors
-            t = [torch.from_numpy(a)[:, None] for a in (q, k, v)]
-            return self.attend(layer, *t, scale)[:, 0].numpy()
-        layer = self.kv_index[layer]
+        layer = self.kv_index[layer]  # (a GPU local window means a CUDA model: no decoder)
         start = self.store.write_f32(layer, k, v)
         step = self.policy.plan(layer, q, start + 1)
         return self.policy.attend(step, scale)[0]
