@@ -114,8 +114,7 @@ def load_quantised(path: str, config: Any, dtype: Any, attn: str) -> tuple[Any, 
             if b.device.type == "meta"]
     if left:
         raise KtlongError(f"{path}: no value for {left[0]} after loading")
-    model._ktlong_mapping = reader.data  # the file stays mapped while the model lives; the
-    # reader's parsed metadata (a 128K-entry vocabulary: ~0.25 GB of small objects) does not
+    model._ktlong_mapping = reader.data  # the file stays mapped while the model lives
     return model, warnings
 
 

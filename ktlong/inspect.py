@@ -383,23 +383,9 @@ CHARS_PER_TOKEN = 4  # the estimate without a tokenizer: English prose with a BP
 
 def token_counter(model: Path) -> Any:
     """text -> token count with `model`'s tokenizer (no special tokens); loads no weights."""
-    import os
+    from ktlong.model import load_tokenizer
 
-    from ktlong.spec import read_spec
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
-    from transformers import AutoTokenizer
-
-    spec = read_spec(model, need_weights=False)
-    kw: dict[str, Any] = dict(local_files_only=True, trust_remote_code=False)
-    folder = spec.path
-    if spec.format == "gguf":
-        folder, kw["gguf_file"] = str(Path(spec.path).parent), Path(spec.path).name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, **kw)
-    except (OSError, ValueError) as e:
-        raise KtlongError(f"could not load the tokenizer of {spec.path}: "
-                          f"{str(e).splitlines()[0]}") from None
+    tokenizer = load_tokenizer(model)
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -394,17 +394,18 @@ def gguf_expected_size(buf: Any, size: int) -> int:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> Any:
-    """A `gguf.GGUFReader` over the file, or one clear line on what is wrong with it: truncated
-    (its size against the size its header gives), not a GGUF file, or otherwise damaged. A good
-    file's header is parsed once, by the reader; ktlong's own parse only explains a failure."""
-    import gguf  # light: numpy only
+    """A `GGUFFile` (ktlong.gguffile) over the file, or one clear line on what is wrong with it:
+    truncated (its size against the size its header gives), not a GGUF file, or otherwise
+    damaged. A good file's header is parsed once, by the reader; `gguf_expected_size` only
+    explains a failure."""
+    from ktlong.gguffile import GGUFFile
 
     p = Path(path)
     size = p.stat().st_size
     if size == 0:
         raise KtlongError(f"{p} is empty (0 bytes), not a GGUF model", hint=_REFETCH)
     try:
-        reader = gguf.GGUFReader(str(p), "r")
+        reader = GGUFFile(p)
     except Exception as e:  # the reader raises assorted errors on damaged files
         raise _gguf_damage(p, size, e) from None
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
@@ -458,7 +459,7 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
     hidden = need("embedding_length")
     head_dim = int(key("attention.key_length", hidden // n_heads))
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else 0
+    vocab = len(tokens) if tokens is not None else 0
     types: dict[str, int] = {}
     n_bytes = n_params = 0
     for t in reader.tensors:
@@ -491,7 +492,7 @@ def _read_gguf_spec(path: Path) -> ModelSpec:
     ):
         f = reader.get_field(k)
         if f is not None:
-            th.update(k.encode() + b"".join(bytes(p) for p in f.parts))
+            th.update(k.encode() + f.raw())
     return ModelSpec(
         path=str(path),
         format="gguf",

@@ -152,3 +152,25 @@ def test_chat_answers_about_a_real_document(models, home, tmp_path):
     answers = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     text = " ".join(str(a.get("answer", a.get("text", ""))) for a in answers)
     assert "GNU" in text or "General Public" in text, text
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_the_saved_tokenizer_is_the_converted_one(models, name):
+    """Later loads read the tokenizer saved in KTLONG_HOME: the same ids on real prose with the
+    chat markers in it, the same special tokens and chat prompt as transformers' conversion."""
+    from transformers import AutoTokenizer
+
+    from ktlong.model import load_tokenizer
+
+    load_tokenizer(models[name])  # the module's first load converted and saved it
+    saved = load_tokenizer(models[name])
+    p = Path(models[name])
+    fresh = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    text = GPL3.read_text()[:40000] + "<start_of_turn>user\n<|im_start|>assistant\n<eos>"
+    assert saved(text)["input_ids"] == fresh(text)["input_ids"]
+    assert saved.all_special_ids == fresh.all_special_ids
+    assert (saved.bos_token, saved.eos_token) == (fresh.bos_token, fresh.eos_token)
+    if saved.chat_template:
+        chat = [{"role": "user", "content": "What is section 15?"}]
+        assert saved.apply_chat_template(chat, add_generation_prompt=True) == \
+            fresh.apply_chat_template(chat, add_generation_prompt=True)

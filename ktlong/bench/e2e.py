@@ -310,7 +310,7 @@ def _prepare(root: Path, contexts: list[int], new_tokens: int, shape: dict[str, 
              model: str | None, gen: tuple[str, int, str] | None, need_gguf: bool,
              log: Any) -> dict[str, Any]:
     """The files the workers read: {model (what ktlong loads), gguf (what llama.cpp loads),
-    tiny (warm-up HF folder, its GGUF beside it), tokenizer (a folder, or (folder, gguf)),
+    tiny (warm-up HF folder, its GGUF beside it), tokenizer (a model folder or GGUF),
     describe, origin}."""
     from ktlong.tinymodel import make_model, write_gguf
 
@@ -339,11 +339,8 @@ def _prepare(root: Path, contexts: list[int], new_tokens: int, shape: dict[str, 
             write_gguf(tiny, tiny.with_suffix(".gguf"), top if top in (
                 "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "F32")
                 else "Q8_0")
-            tok = (str(Path(spec.path).parent), Path(spec.path).name)
-        else:
-            tok = spec.path
         return dict(model=spec.path, gguf=spec.path if spec.format == "gguf" else "",
-                    tiny=str(tiny), tokenizer=tok, describe=f"{spec.path} ({spec.arch})",
+                    tiny=str(tiny), tokenizer=spec.path, describe=f"{spec.path} ({spec.arch})",
                     origin="", prose=True)
     hf = make_model(
         root / "hf", "llama", max_positions=2 * (max(contexts) + new_tokens + 16),
@@ -358,16 +355,13 @@ def _prepare(root: Path, contexts: list[int], new_tokens: int, shape: dict[str, 
                 describe=f"random Llama {shape}", origin="")
 
 
-def _prompt_ids(tokenizer: str | tuple[str, str], n: int, prose: bool = False) -> list[int]:
-    """`n` prompt ids: real prose for a real model (ktlong.bench.prose), else filler words."""
-    from transformers import AutoTokenizer
-
+def _prompt_ids(tokenizer: str, n: int, prose: bool = False) -> list[int]:
+    """`n` prompt ids: real prose for a real model (ktlong.bench.prose), else filler words.
+    A GGUF's tokenizer is converted here, once: the workers' loads then read the saved one."""
+    from ktlong.model import load_tokenizer
     from ktlong.tinymodel import filler_text
 
-    if isinstance(tokenizer, tuple):
-        tok = AutoTokenizer.from_pretrained(tokenizer[0], gguf_file=tokenizer[1])
-    else:
-        tok = AutoTokenizer.from_pretrained(tokenizer)
+    tok = load_tokenizer(tokenizer)
     if prose:
         from ktlong.bench import prose as real
 
