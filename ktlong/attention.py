@@ -183,15 +183,29 @@ class AttentionRouter:
         n = k.shape[1]
         dk[:, start : start + n], dv[:, start : start + n] = k.to(tdtype), v.to(tdtype)
 
-    def _past(self, start: int) -> list[tuple[int, int]]:
-        """Token ranges before `start` that a prefill chunk starting there attends: all of them,
-        or with `prefill_window` W the first init_len tokens and the last W (StreamingLLM-style:
-        a model never sees a distance much beyond W + chunk while it reads the document)."""
+    def _past(self, start: int) -> list[tuple[int, int, int]]:
+        """Token ranges (a, b, turn) before `start` that a prefill chunk starting there attends,
+        their keys read `turn` positions later than their own: all of them, or with
+        `prefill_window` W the first init_len tokens and the last W (StreamingLLM-style). With
+        block_positions COMPACT the first tokens are read as the ones just before the window, so
+        no key lies further from a query than init_len + W + the chunk: a model never sees a
+        distance it was not trained on while it reads the document."""
         s = self.policy.s
         w, init = s.prefill_window, min(s.init_len, start)
         if s.prefill != "WINDOW" or w <= 0 or start - w <= init:
-            return [(0, start)]
-        return [(0, init), (start - w, start)] if init else [(start - w, start)]
+            return [(0, start, 0)]
+        turn = start - w - init if (s.block_positions == "COMPACT"
+                                    and self.policy.inv_freq is not None) else 0
+        return [(0, init, turn), (start - w, start, 0)] if init else [(start - w, start, 0)]
+
+    def _turned(self, k: torch.Tensor, turn: int) -> torch.Tensor:
+        """Keys `[..., d]` float32 rotated `turn` positions on (RoPE adds angles), as a copy."""
+        if not turn:
+            return k
+        from ktlong.shift import rerotate, rotation
+
+        cos, sin = rotation(torch.from_numpy(self.policy.inv_freq), turn)
+        return rerotate(k.clone(), cos.to(k.device), sin.to(k.device))
 
     def _dense(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         if q.device.type == "cpu" and _FLASH_CPU is not None:
@@ -212,9 +226,10 @@ class AttentionRouter:
             heads = slice(h * g, (h + 1) * g)
             qh = q[heads].float().reshape(1, 1, g * L, d)  # row j*L + i: head h*g + j, token i
             o = lse = None
-            for a, b in past:
+            for a, b, turn in past:
                 for t0 in range(a, b, seg):
                     k, v = self.store.token_range(layer, t0, min(b, t0 + seg), slice(h, h + 1))
+                    k = self._turned(k, turn)
                     op, lp = _FLASH_CPU(qh, k[None], v[None], 0.0, False, scale=scale)[:2]
                     o, lse = (op, lp) if o is None else _merge(o, lse, op, lp)
             oc = torch.empty(1, 1, g * L, d)  # the causal square, one query head per call
@@ -241,10 +256,12 @@ class AttentionRouter:
         denom = torch.zeros((Hkv, g * L), device=q.device)
         acc = torch.zeros((Hkv, g * L, d), device=q.device)
         tile = max(256, TILE_ELEMS // (Hq * L))
-        tiles = [(t0, min(b, t0 + tile)) for a, b in self._past(start) + [(start, end)]
+        tiles = [(t0, min(b, t0 + tile), turn)
+                 for a, b, turn in self._past(start) + [(start, end, 0)]
                  for t0 in range(a, b, tile)]
-        for t0, t1 in tiles:
+        for t0, t1, turn in tiles:
             kt, vt = self._tile(layer, t0, t1)  # [Hkv, T, d]
+            kt = self._turned(kt, turn)
             s = torch.bmm(qg, kt.transpose(1, 2))  # [Hkv, g*L, T]
             if t1 > start + 1:  # the tile reaches this chunk: causal mask
                 kpos = torch.arange(t0, t1, device=q.device)

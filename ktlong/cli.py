@@ -751,7 +751,9 @@ def bench_accuracy(model: ModelOpt = None,
                    samples: Annotated[int, typer.Option(
                        min=1, help="Documents per length (each asks every task once).")] = 20,
                    profiles: Annotated[str, typer.Option(
-                       help="Profiles to compare, comma-separated.")]
+                       help="Profiles to compare, comma-separated; llamacpp and llamacpp-yarn "
+                            "add llama.cpp on the same GGUF (plain, and YaRN past the trained "
+                            "context).")]
                    = "dense,default,quest,kvretrieval,streamingllm",
                    task_list: Annotated[str, typer.Option(
                        "--tasks", help="Tasks to ask, comma-separated: passkey, kv, needle, "
@@ -759,7 +761,8 @@ def bench_accuracy(model: ModelOpt = None,
                    = "passkey,kv,needle",
                    haystack: Annotated[str, typer.Option(
                        help="What the facts hide in: filler (random words, what the demo model "
-                            "was trained on) or prose (a generated story).")] = "filler",
+                            "was trained on), prose (a generated story) or real (license texts and "
+                            "Python's documentation: text nobody here wrote).")] = "filler",
                    plot: PlotOpt = None, png: PngOpt = None,
                    seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
                    threads: ThreadsOpt = 0,
@@ -781,7 +784,18 @@ def bench_accuracy(model: ModelOpt = None,
 
     names = [p.strip() for p in profiles.split(",") if p.strip()]
     for p in names:
-        resolve_settings(p, {})  # an unknown profile fails here, before loading anything
+        if p not in accuracy.PEERS:
+            resolve_settings(p, {})  # an unknown profile fails here, before loading anything
+    if set(names) & set(accuracy.PEERS):
+        from ktlong.spec import read_spec
+
+        if model is None or read_spec(model, need_weights=False).format != "gguf":
+            raise KtlongError("--profiles llamacpp / llamacpp-yarn run llama.cpp on a GGUF file",
+                              hint="pass --model with a .gguf file (e.g. -m smollm2)")
+        from ktlong.bench.e2e import PEERS_HINT, _llamacpp_available
+
+        if not _llamacpp_available():
+            raise KtlongError("--profiles llamacpp needs llama-cpp-python", hint=PEERS_HINT)
     asked = ",".join(task_names)
     command = (f"ktlong bench accuracy{f' --model {model}' if model else ''} --lengths {lengths} "
                f"--samples {samples} --profiles {','.join(names)}"

@@ -135,7 +135,9 @@ class Settings:
                               "before the local window (init, selected, the question's) as one "
                               "run of text ending where the window starts, so no key is read "
                               "from further than the step's budget (the query turned back per "
-                              "block); AS_IS at their own positions", choices=("COMPACT", "AS_IS"))
+                              "block), and a WINDOW prefill reads the first init_len tokens as "
+                              "the ones just before its window; AS_IS at their own positions",
+                              choices=("COMPACT", "AS_IS"))
     select_neighbours: bool = _f("bool", False, "sparse attention", "Each selected block brings "
                                  "the block after it, within the same budget")
     spread_blocks: int = _f("int", 0, "sparse attention", "Of the selected blocks, this many "

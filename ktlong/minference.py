@@ -142,7 +142,8 @@ def prefill_key(spec: Any, s: Settings) -> dict[str, Any]:
     """What of the settings changes the KV a prefill writes (for cache keys): nothing for an
     exact prefill (so older entries stay valid), the window, or the patterns."""
     if s.prefill == "WINDOW" and s.prefill_window:
-        return {"prefill_window": s.prefill_window, "init_len": s.init_len}
+        return {"prefill_window": s.prefill_window, "init_len": s.init_len,
+                "init_positions": s.block_positions}
     if s.prefill == "MINFERENCE":
         return {"prefill": "MINFERENCE", "patterns": resolve_plan(spec, s).fingerprint()}
     return {}

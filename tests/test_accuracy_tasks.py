@@ -203,3 +203,32 @@ def test_plot_draws_new_task_names(tmp_path: Path) -> None:
 def test_bench_accuracy_rejects_unknown_tasks_and_haystacks(args: list[str], why: str) -> None:
     r = CliRunner().invoke(app, ["bench", "accuracy", *args])
     assert r.exit_code == 2 and why in r.output, r.output
+
+
+# --- the real haystack (text the project did not write) ------------------------------------------
+@pytest.mark.skipif(not Path("/usr/share/common-licenses").is_dir(),
+                    reason="needs Debian's license texts")
+def test_real_haystack_is_text_on_the_machine_with_the_facts_at_their_depths() -> None:
+    from ktlong.bench import prose as real
+
+    def count(text: str) -> int:
+        return sum(1 + len(w) // 4 for w in text.split())
+
+    s = tasks.make_mixed(7, 9000, {"passkey": 0.2, "needle": 0.7}, count=count, haystack="real")
+    assert s == tasks.make_mixed(7, 9000, {"passkey": 0.2, "needle": 0.7}, count=count,
+                                 haystack="real")
+    assert s.document != tasks.make_mixed(8, 9000, {"passkey": 0.2, "needle": 0.7},
+                                          count=count, haystack="real").document
+    assert 8000 < count(s.document) <= 9000  # never past the length asked for
+    paras = s.document.split("\n\n")
+    for f in s.asked:  # each fact a paragraph of its own, near its depth
+        assert paras.count(f.sentence) == 1
+        assert abs(s.document.index(f.sentence) / len(s.document) - f.depth) < 0.05
+    source = "\n\n".join(real.sections())
+    rest = [p for p in paras if p not in {f.sentence for f in s.facts}]
+    assert all(p in source for p in rest)  # every other paragraph is the machine's own text
+
+
+def test_bench_accuracy_peers_need_a_gguf(tmp_path: Path) -> None:
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--profiles", "dense,llamacpp"])
+    assert r.exit_code == 2 and "GGUF" in r.output, r.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -145,11 +146,13 @@ def test_fused_and_tiled_prefill_attention_agree():
     assert fused.transpose(0, 1).is_contiguous()  # [L, Hq, d]
 
 
+@pytest.mark.parametrize("positions", ["AS_IS", "COMPACT"])
 @pytest.mark.parametrize("window,init", [(1000, 32), (1000, 0), (2990, 32), (5000, 32)])
-def test_windowed_prefill_attends_init_and_the_last_window(window, init):
+def test_windowed_prefill_attends_init_and_the_last_window(window, init, positions):
     """With prefill_window W, a chunk starting at `past` attends the first init_len tokens, the
     W before it and itself (causal), by both prefill paths; a window that reaches the start is
-    the exact attention."""
+    the exact attention. With block_positions COMPACT the first tokens' keys are read as the
+    ones just before the window: rotated on by past - W - init positions."""
     from types import SimpleNamespace
 
     import ktlong.attention as att
@@ -161,14 +164,22 @@ def test_windowed_prefill_attends_init_and_the_last_window(window, init):
     k = torch.randn(Hkv, past + chunk, d, generator=g)
     v = torch.randn(Hkv, past + chunk, d, generator=g)
     store.write(0, k, v)
-    policy = SimpleNamespace(
-        s=SimpleNamespace(prefill="WINDOW", prefill_window=window, init_len=init))
+    inv_freq = 10000.0 ** (-np.arange(0, d, 2) / d)  # [d/2] float64
+    policy = SimpleNamespace(inv_freq=inv_freq, s=SimpleNamespace(
+        prefill="WINDOW", prefill_window=window, init_len=init, block_positions=positions))
     router = att.AttentionRouter(store, policy, torch.device("cpu"))
     q = torch.randn(Hq, chunk, d, generator=g)
     kpos, qpos = torch.arange(past + chunk), past + torch.arange(chunk)
-    seen = (kpos[None] <= qpos[:, None]) & (
-        (kpos[None] < init) | (kpos[None] >= past - window) | (past - window <= init))
-    kr, vr = k.repeat_interleave(Hq // Hkv, 0), v.repeat_interleave(Hq // Hkv, 0)
+    apart = past - window > init
+    seen = (kpos[None] <= qpos[:, None]) & ((kpos[None] < init) | (kpos[None] >= past - window)
+                                            | (not apart))
+    kread = k.clone()
+    if positions == "COMPACT" and apart and init:  # rotate-half RoPE by angle turn * inv_freq
+        ang = torch.from_numpy(np.concatenate([inv_freq, inv_freq]) * (past - window - init))
+        x = k[:, :init].double()
+        half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+        kread[:, :init] = (x * ang.cos() + half * ang.sin()).float()
+    kr, vr = kread.repeat_interleave(Hq // Hkv, 0), v.repeat_interleave(Hq // Hkv, 0)
     want = torch.nn.functional.scaled_dot_product_attention(
         q[None], kr[None], vr[None], attn_mask=seen, scale=0.3)[0]  # [Hq, L, d]
     old = att.PAST_SEGMENT_ELEMS

@@ -174,3 +174,23 @@ def test_the_saved_tokenizer_is_the_converted_one(models, name):
         chat = [{"role": "user", "content": "What is section 15?"}]
         assert saved.apply_chat_template(chat, add_generation_prompt=True) == \
             fresh.apply_chat_template(chat, add_generation_prompt=True)
+
+
+def test_accuracy_peers_answer_as_ktlong_dense_inside_the_trained_length(models):
+    """bench accuracy's llama.cpp rows read the same prompt ids: inside the trained length
+    llama.cpp (YaRN or not: nothing to stretch) gives ktlong dense's greedy answer (its first
+    line: past it, near-ties between float orders may part the two)."""
+    pytest.importorskip("llama_cpp")
+    from ktlong.demo import accuracy
+
+    recs = accuracy.run(Path(models["smollm2"]), [1500], 1,
+                        ["dense", "llamacpp", "llamacpp-yarn"], threads=2,
+                        task_names=["passkey", "needle"], haystack="real")
+    by = {(r.profile, r.task): r for r in recs}
+    assert len(recs) == 6 and all(r.answer.strip() for r in recs)
+    for task in ("passkey", "needle"):
+        want = by[("dense", task)]
+        for peer in ("llamacpp", "llamacpp-yarn"):
+            got = by[(peer, task)]
+            assert got.answer.strip().splitlines()[0] == want.answer.strip().splitlines()[0]
+            assert got.correct == want.correct

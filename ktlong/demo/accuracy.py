@@ -30,6 +30,7 @@ from typing import Any
 from ktlong.demo import tasks
 
 PROFILES = ("dense", "default", "quest", "kvretrieval", "streamingllm")
+PEERS = ("llamacpp", "llamacpp-yarn")  # llama.cpp on the same GGUF: plain, and YaRN rope scaling
 LENGTHS = (2048, 4096, 16384, 32768)
 MAX_NEW_TOKENS = 24
 DEPTH_BUCKETS = (("start", 0.0, 1 / 3), ("middle", 1 / 3, 2 / 3), ("end", 2 / 3, 1.01))
@@ -63,15 +64,15 @@ def wilson(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-PREFILL_KEYS = ("prefill", "prefill_window", "init_len", "prefill_vertical", "prefill_slash",
-                "prefill_patterns", "kv_type")
+PREFILL_KEYS = ("prefill", "prefill_window", "init_len", "block_positions", "prefill_vertical",
+                "prefill_slash", "prefill_patterns", "kv_type")
 
 
 def _prefill_key(st: Any) -> tuple[Any, ...]:
     """What of a profile's settings changes the document's KV (`prefill` and its own keys, and
     the KV format: a prefill reads its own quantised past)."""
     if st.prefill == "WINDOW" and st.prefill_window:
-        return ("WINDOW", st.prefill_window, st.init_len, st.kv_type)
+        return ("WINDOW", st.prefill_window, st.init_len, st.block_positions, st.kv_type)
     if st.prefill == "MINFERENCE":
         return ("MINFERENCE", st.prefill_vertical, st.prefill_slash, st.prefill_patterns,
                 st.kv_type)
@@ -105,6 +106,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     lm = load_model(model or default_model(), "CPU")
     tok = lm.tokenizer
     spec = lm.spec
+    peers = [p for p in profiles if p in PEERS]
+    profiles = [p for p in profiles if p not in PEERS]
 
     def count(text: str) -> int:
         return len(tok(text, add_special_tokens=False)["input_ids"])
@@ -158,9 +161,55 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                                       round(share, 4)))
                 line.append(f"{name} {right}/{len(sample.asked)}")
                 del sess, store
+            for name in peers:
+                t1 = time.perf_counter()
+                prompts = [conv.prompt_ids(f.question) for f in sample.asked]
+                answers = _peer_answers(name, spec, prompts, threads, lm.eos_ids)
+                right = 0
+                for fact, ids in zip(sample.asked, answers, strict=True):
+                    answer = tok.decode(ids, skip_special_tokens=True)
+                    ok = tasks.is_correct(fact, answer)
+                    right += ok
+                    out.append(Record(n_tok, fact.kind, name, round(fact.depth, 3), ok, answer,
+                                      1.0))
+                line.append(f"{name} {right}/{len(sample.asked)} "
+                            f"({time.perf_counter() - t1:.0f}s)")
             if report:
                 report(f"{n_tok} tokens, sample {i + 1}/{samples}: prefill {prefill_s:.1f}s, "
                        f"total {time.perf_counter() - t0:.1f}s; " + ", ".join(line))
+    return out
+
+
+def _peer_answers(name: str, spec: Any, prompts: list[list[int]], threads: int,
+                  eos: tuple[int, ...]) -> list[list[int]]:
+    """llama.cpp's greedy answer ids to each prompt (one document, its questions: the second
+    reuses the document's KV by prefix match). `llamacpp` reads at the model's own positions
+    (n_ctx = the prompt); `llamacpp-yarn` stretches RoPE by YaRN from the trained context to
+    n_ctx, as `llama-cli --rope-scaling yarn --yarn-orig-ctx` does."""
+    import os
+
+    import llama_cpp
+
+    from ktlong.spec import trained_context
+
+    n_ctx = max(len(p) for p in prompts) + MAX_NEW_TOKENS + 8
+    kw: dict[str, Any] = {}
+    trained = trained_context(spec)
+    if name == "llamacpp-yarn" and n_ctx > trained:
+        kw = dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN, yarn_orig_ctx=trained,
+                  rope_freq_scale=trained / n_ctx)
+    llm = llama_cpp.Llama(model_path=spec.path, n_ctx=n_ctx, n_batch=512,
+                          n_threads=threads or os.cpu_count(), flash_attn=True, n_gpu_layers=0,
+                          verbose=False, **kw)
+    out = []
+    for ids in prompts:
+        got: list[int] = []
+        for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+            if int(t) in eos or len(got) == MAX_NEW_TOKENS:
+                break
+            got.append(int(t))
+        out.append(got)
+    del llm
     return out
 
 

@@ -3,7 +3,8 @@
 A document is a haystack with facts put at chosen depths, each with its question and answer. The
 haystack is filler (random sentences over a fixed word list; what the demo model was trained on)
 or, with `haystack="prose"`, a story told by a small grammar (ktlong.demo.prose); neither holds
-a digit. The facts:
+a digit. `haystack="real"` is text the project did not write (license texts, Python's own
+documentation: ktlong.bench.prose), for real models. The facts:
 - passkey: "The pass key is 71432. Remember it. 71432 is the pass key." (InfiniteBench's wording)
 - kv: records "The value of key amber is 40591." with distinct random keys; one is asked for.
   Several records per document, so the others are distractors (kv-retrieval).
@@ -24,7 +25,7 @@ from ktlong.demo import prose
 
 TASKS = ("passkey", "kv", "needle")  # the training mix, the demo and the bench's default
 ALL_TASKS = (*TASKS, "multineedle")  # what `bench accuracy --tasks` may ask
-HAYSTACKS = ("filler", "prose")
+HAYSTACKS = ("filler", "prose", "real")
 MULTI_NEEDLES = 4  # needles in a multineedle document
 
 FILLER = (
@@ -251,6 +252,8 @@ def _fill(rng: random.Random, facts: list[Fact], n_tokens: int,
           haystack: str = "filler") -> str:
     if haystack == "prose":
         return _fill_prose(rng, facts, n_tokens, count)
+    if haystack == "real":
+        return _fill_real(rng, facts, n_tokens, count)
     if haystack != "filler":
         raise ValueError(f"unknown haystack {haystack!r}; known: {', '.join(HAYSTACKS)}")
     fact_tokens = sum(len(f.sentence.split()) for f in facts) / WORDS_PER_TOKEN
@@ -305,6 +308,51 @@ def _fill_prose(rng: random.Random, facts: list[Fact], n_tokens: int,
         add(extra)
         doc = _assemble_paragraphs(sentences, ends, facts)
     return doc
+
+
+def _fill_real(rng: random.Random, facts: list[Fact], n_tokens: int,
+               count: Callable[[str], int] | None) -> str:
+    """Text the project did not write (ktlong.bench.prose: the license texts Debian ships,
+    Python's own documentation), its sections shuffled by `rng`, about `n_tokens` tokens (never
+    more with `count`), each fact a paragraph of its own at its depth."""
+    from ktlong.bench import prose as real
+
+    pool = list(real.sections())
+    rng.shuffle(pool)
+    paras = [p.strip() for s in pool for p in s.split("\n\n") if p.strip()]
+    size = count or (lambda t: len(t) // 4)
+    want = n_tokens - sum(size(f.sentence) + 1 for f in facts)
+    taken: list[str] = []
+    have = 0
+    while have < want:
+        taken.append(paras[len(taken) % len(paras)])
+        have += size(taken[-1]) + 1  # + the blank line between paragraphs
+    doc = _with_facts(taken, facts)
+    while count is not None and len(taken) > 1 and count(doc) > n_tokens:
+        taken.pop()
+        doc = _with_facts(taken, facts)
+    return doc
+
+
+def _with_facts(paras: Sequence[str], facts: Sequence[Fact]) -> str:
+    """The paragraphs with each fact put at the paragraph break nearest its depth (by length:
+    real paragraphs run from a line to pages)."""
+    import bisect
+    from itertools import accumulate
+
+    ends = [0, *accumulate(len(p) + 2 for p in paras)]  # chars before paragraph i
+    at: dict[int, list[str]] = {}
+    for f in facts:
+        x = f.depth * ends[-1]
+        i = bisect.bisect_left(ends, x)
+        i = i if i == 0 or (i < len(ends) and ends[i] - x < x - ends[i - 1]) else i - 1
+        at.setdefault(i, []).append(f.sentence)
+    out: list[str] = []
+    for i in range(len(paras) + 1):
+        out += at.get(i, [])
+        if i < len(paras):
+            out.append(paras[i])
+    return "\n\n".join(out)
 
 
 def _assemble_paragraphs(sentences: Sequence[str], ends: Sequence[bool],
