@@ -699,6 +699,31 @@ def bench_gemv(types: Annotated[str, typer.Option(
     gemv.main(names, repeats, threads, as_json)
 
 
+@bench_app.command("step")
+def bench_step(model: Annotated[str, typer.Option(
+                   "--model", "-m", show_default=False, callback=_model,
+                   help="A model folder or GGUF file, or a packaged model's name.")],
+               context: Annotated[str, typer.Option(
+                   help="Prompt tokens of real prose before the decode (K suffix allowed).")]
+               = "4K",
+               steps: Annotated[int, typer.Option(min=4, help="Tokens decoded per run.")] = 64,
+               runs: Annotated[int, typer.Option(
+                   min=1, help="Decode runs from the same point (the median is reported).")]
+               = 3,
+               profile: ProfileOpt = "default",
+               threads: ThreadsOpt = 0,
+               as_json: JsonOpt = False) -> None:
+    """Where a decode step's time goes (GEMVs, attention, head, the rest, sampling), against
+    the bytes it must read over the machine's streaming bandwidth."""
+    from ktlong.bench import step
+
+    n = _lengths(context)[0]
+    command = (f"ktlong bench step -m {model} --context {context} --steps {steps} --runs {runs}"
+               f"{f' --profile {profile}' if profile != 'default' else ''}"
+               f"{f' -t {threads}' if threads else ''}")
+    step.main(model, n, steps, runs, profile, threads, as_json, command)
+
+
 @bench_app.command("prefill")
 def bench_prefill(contexts: Annotated[str, typer.Option(
                       help="Context lengths, comma-separated (K and M suffixes allowed).")]
