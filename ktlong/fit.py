@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ktlong.config import FIELDS, FULL_CONTEXT, Resolved, Settings
+from ktlong.config import FIELDS, Resolved, Settings
 
 BUDGET_SHARE = (3, 4)  # of the trained context: what one step (or the prefill window) may read
 BUDGET_KEYS = ("init_len", "second_select_num", "local_windows_len", "prefill_window")
@@ -117,7 +117,7 @@ def auto_max_seq_len(spec: Any, st: Settings, free_dram: int | None = None,
     from ktlong import memory
 
     free = memory.free_dram_bytes() if free_dram is None else free_dram
-    cap = FULL_CONTEXT if st.attention == "SPARSE" else memory.full_context(spec)
+    cap = memory.full_context(spec, st)
     if st.kv_tier == "DISK":
         disk = memory.free_disk_bytes(memory.tier_folder(st)) if free_disk is None else free_disk
         n = memory.longest_disk_tier(spec, st.kv_type, free, disk, st, cap=cap)

@@ -197,8 +197,12 @@ def longest_disk_tier(spec: Any, kv_type: str, free_dram: int, free_disk: int,
     return longest(fits, length_cap(spec) if cap is None else cap)
 
 
-def full_context(spec: Any) -> int:
-    """The context memcheck aims for: the model's own, at most 1M tokens."""
+def full_context(spec: Any, settings: Any = None) -> int:
+    """The context memcheck aims for: 1M tokens when the attention is SPARSE (a decode step reads
+    blocks, none from further than the budget, so a model reads past its trained length), else
+    the model's own positions, at most 1M."""
+    if settings is not None and settings.attention == "SPARSE":
+        return FULL_CONTEXT
     return min(length_cap(spec), FULL_CONTEXT)
 
 
@@ -222,19 +226,24 @@ class Choice:
 def choose(spec: Any, free_dram: int, free_disk: int | None, kv_types: Sequence[str] = (),
            settings: Any = _DEFAULTS, weights_in_dram: bool = True) -> Choice:
     """The best setting that fits. With no `kv_types` given, BF16 > Q8_0 > Q4_0 in RAM when one
-    holds the full context (min(model max, 1M)); else the disk tier (Q8_0 if it reaches as far
+    holds the full context (the model's own, at most 1M; with SPARSE attention the length is then
+    what fits, up to 1M); else the disk tier (Q8_0 if it reaches as far
     as Q4_0) when it reaches further than any RAM option; else the longest RAM option. With one
     `kv_types` (the user's --kv-type), only the tier and the length are chosen."""
     fixed = bool(kv_types)
     types = [t.upper() for t in kv_types] if fixed else kv_types_for(spec)
     full = full_context(spec)
-    ram = {t: recommend_max_seq_len(spec, t, free_dram, weights_in_dram) for t in types}
+    reach = full_context(spec, settings)  # SPARSE: past the model's own, read with blocks
+    ram = {t: recommend_max_seq_len(spec, t, free_dram, weights_in_dram, cap=reach)
+           for t in types}
     for t in types:
         if ram[t] >= full:
             miss = [f"{u} {tokens_label(ram[u])}" for u in types[: types.index(t)]]
+            past = (f", and {tokens_label(ram[t])} in all, past it read with blocks"
+                    if ram[t] > full else "")
             return Choice(ram[t], t, "RAM", f"{t} holds the full context ({tokens_label(full)}) "
-                          "in free RAM" + (f"; more precise types do not (at most "
-                                           f"{', '.join(miss)})" if miss else ""))
+                          f"in free RAM{past}" + (f"; more precise types do not (at most "
+                                                  f"{', '.join(miss)})" if miss else ""))
     best_ram = max(types, key=lambda t: ram[t])  # the first (most precise) among equals
     disk_types = types if fixed else [t for t in types if t in DISK_KV_TYPES]
     disk = {t: 0 if free_disk is None else
@@ -469,9 +478,11 @@ def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
                                                    settings)]
     rows.sort(key=lambda r: r.tokens)  # stable: each length's types stay in order
     in_dram = not gpu
-    longest_by_type = {t: {"RAM": recommend_max_seq_len(spec, t, free_dram, in_dram),
+    full = full_context(spec, settings)
+    longest_by_type = {t: {"RAM": recommend_max_seq_len(spec, t, free_dram, in_dram, cap=full),
                            "DISK": None if free_disk is None else
-                           longest_disk_tier(spec, t, free_dram, free_disk, settings, in_dram)}
+                           longest_disk_tier(spec, t, free_dram, free_disk, settings, in_dram,
+                                             cap=full)}
                        for t in types}
     choice = choose(spec, free_dram, free_disk, [kv_type] if kv_type else (), settings, in_dram)
     return {
@@ -484,7 +495,7 @@ def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
         "max_positions": spec.max_positions,
         "trained_context": trained_context(spec),
         "attention": settings.attention,
-        "full_context": full_context(spec),
+        "full_context": full,
         "kv_type": kv_type.upper() if kv_type else None,  # the --kv-type asked for, if any
         "kv_types": types,
         "kv_bytes_per_token": {t: kv_bytes_per_token(spec, t) for t in types},

@@ -67,8 +67,10 @@ def test_report_is_plain_data() -> None:
     assert r["reference"] is True and r["kv_type"] == "BF16"
     assert r["kv_bytes_per_token"] == {"BF16": 131072} and r["weights_on"] == "DRAM"
     assert [row["label"] for row in r["rows"]][:4] == ["4K", "32K", "64K", "128K (model max)"]
-    assert r["recommended_max_seq_len"] == memory.recommend_max_seq_len(REFERENCE, "BF16",
-                                                                       100 * 10**9)
+    # sparse attention reads past the model's 128K: what fits, up to 1M
+    assert r["recommended_max_seq_len"] == memory.recommend_max_seq_len(
+        REFERENCE, "BF16", 100 * 10**9, cap=1 << 20) > 131072
+    assert r["longest"]["BF16"]["RAM"] == r["recommended_max_seq_len"]
     assert r["recommended"]["kv_type"] == "BF16" and r["recommended"]["kv_tier"] == "RAM"
     assert r["free_disk_bytes"] is None and r["longest"]["BF16"]["DISK"] is None
 
@@ -120,11 +122,18 @@ def test_quantised_rows_against_hand_computed_sizes() -> None:
 
 
 def test_reference_8b_gguf_on_a_24_gib_machine() -> None:
-    """128K fits in RAM with Q8_0 (not BF16); 1M fits with the disk tier."""
+    """128K fits in RAM with Q8_0 (not BF16), and more, read with blocks past it; 1M fits with
+    the disk tier."""
     at_128k = replace(GGUF_8B, max_positions=131072)
     choice = memory.choose(at_128k, FREE_24GIB, 100 * 10**9)
-    assert (choice.kv_tier, choice.kv_type, choice.max_seq_len) == ("RAM", "Q8_0", 131072)
+    assert (choice.kv_tier, choice.kv_type) == ("RAM", "Q8_0")
+    assert choice.max_seq_len == memory.recommend_max_seq_len(at_128k, "Q8_0", FREE_24GIB,
+                                                              cap=1 << 20) > 131072
     assert "full context (128K)" in choice.why and "BF16" in choice.why
+    assert "read with blocks" in choice.why
+    dense = replace(memory._DEFAULTS, attention="DENSE")  # reads every token: its own 128K
+    choice = memory.choose(at_128k, FREE_24GIB, 100 * 10**9, settings=dense)
+    assert (choice.kv_tier, choice.kv_type, choice.max_seq_len) == ("RAM", "Q8_0", 131072)
     choice = memory.choose(GGUF_8B, FREE_24GIB, 50 * 10**9)  # Q8_0's 1M needs a 73 GB file
     assert (choice.kv_tier, choice.kv_type, choice.max_seq_len) == ("DISK", "Q4_0", 1 << 20)
     choice = memory.choose(GGUF_8B, FREE_24GIB, 80 * 10**9)  # room for it: the more precise
