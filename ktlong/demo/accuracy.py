@@ -356,7 +356,8 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
     n_max = max((len(v) for v in per_cell.values()), default=0)
     title = (f"accuracy by length and depth ({n_max} answers per task and length"
              + (f", profile {profiles[0]}" if rows == 1 and profiles else "")
-             + (", prose haystack" if data.get("haystack") == "prose" else "")
+             + (f", {data['haystack']} haystack" if data.get("haystack", "filler") != "filler"
+                else "")
              + "; cell: % right)")
     return plotting.finish(fig, path, title, data)
 
