@@ -226,10 +226,10 @@ class Choice:
 def choose(spec: Any, free_dram: int, free_disk: int | None, kv_types: Sequence[str] = (),
            settings: Any = _DEFAULTS, weights_in_dram: bool = True) -> Choice:
     """The best setting that fits. With no `kv_types` given, BF16 > Q8_0 > Q4_0 in RAM when one
-    holds the full context (the model's own, at most 1M; with SPARSE attention the length is then
-    what fits, up to 1M); else the disk tier (Q8_0 if it reaches as far
-    as Q4_0) when it reaches further than any RAM option; else the longest RAM option. With one
-    `kv_types` (the user's --kv-type), only the tier and the length are chosen."""
+    holds the full context (the model's own, at most 1M; with SPARSE attention the length is
+    then what fits, up to 1M); else the disk tier (Q8_0 if it reaches as far as Q4_0) when it
+    reaches further than any RAM option; else the longest RAM option. With one `kv_types` (the
+    user's --kv-type), only the tier and the length are chosen."""
     fixed = bool(kv_types)
     types = [t.upper() for t in kv_types] if fixed else kv_types_for(spec)
     full = full_context(spec)

@@ -252,7 +252,7 @@ def load_model(
     if in_file:
         held = _file_types(model)
     if spec.format == "gguf":
-        _return_freed_heap()  # the GGUF metadata was parsed several times over
+        _return_freed_heap()  # building the model around the file left float temporaries
     return LoadedModel(
         model=model, tokenizer=tokenizer, spec=spec, device=dev, eos_ids=eos_ids,
         weight_type=held, warnings=warnings,

@@ -232,3 +232,22 @@ def test_real_haystack_is_text_on_the_machine_with_the_facts_at_their_depths() -
 def test_bench_accuracy_peers_need_a_gguf(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["bench", "accuracy", "--profiles", "dense,llamacpp"])
     assert r.exit_code == 2 and "GGUF" in r.output, r.output
+
+
+def test_a_peer_that_cannot_run_says_so_in_one_line(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp refusing the context (e.g. no memory for its KV) leaves no records, only the
+    line saying why; the run goes on."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from ktlong.tinymodel import make_model, write_gguf
+
+    path = write_gguf(make_model(tmp_path / "hf", "llama"), tmp_path / "m.gguf", "Q8_0")
+
+    def refuse(**kw: object) -> None:
+        raise ValueError("Failed to create llama_context")
+    monkeypatch.setattr(llama_cpp, "Llama", refuse)
+    lines: list[str] = []
+    recs = acc.run(path, [300], 1, ["llamacpp"], task_names=["passkey"], report=lines.append)
+    assert recs == []
+    assert len(lines) == 1 and "llamacpp did not run (n_ctx " in lines[0]
+    assert "Failed to create llama_context" in lines[0]

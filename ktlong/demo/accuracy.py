@@ -165,6 +165,9 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                 t1 = time.perf_counter()
                 prompts = [conv.prompt_ids(f.question) for f in sample.asked]
                 answers = _peer_answers(name, spec, prompts, threads, lm.eos_ids)
+                if isinstance(answers, str):  # llama.cpp could not run: no records, one line
+                    line.append(f"{name} did not run ({answers})")
+                    continue
                 right = 0
                 for fact, ids in zip(sample.asked, answers, strict=True):
                     answer = tok.decode(ids, skip_special_tokens=True)
@@ -181,11 +184,12 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
 
 
 def _peer_answers(name: str, spec: Any, prompts: list[list[int]], threads: int,
-                  eos: tuple[int, ...]) -> list[list[int]]:
+                  eos: tuple[int, ...]) -> list[list[int]] | str:
     """llama.cpp's greedy answer ids to each prompt (one document, its questions: the second
-    reuses the document's KV by prefix match). `llamacpp` reads at the model's own positions
-    (n_ctx = the prompt); `llamacpp-yarn` stretches RoPE by YaRN from the trained context to
-    n_ctx, as `llama-cli --rope-scaling yarn --yarn-orig-ctx` does."""
+    reuses the document's KV by prefix match), or why it could not run (its context did not
+    fit). `llamacpp` reads at the model's own positions (n_ctx = the prompt); `llamacpp-yarn`
+    stretches RoPE by YaRN from the trained context to n_ctx, as `llama-cli --rope-scaling yarn
+    --yarn-orig-ctx` does."""
     import os
 
     import llama_cpp
@@ -198,9 +202,12 @@ def _peer_answers(name: str, spec: Any, prompts: list[list[int]], threads: int,
     if name == "llamacpp-yarn" and n_ctx > trained:
         kw = dict(rope_scaling_type=llama_cpp.LLAMA_ROPE_SCALING_TYPE_YARN, yarn_orig_ctx=trained,
                   rope_freq_scale=trained / n_ctx)
-    llm = llama_cpp.Llama(model_path=spec.path, n_ctx=n_ctx, n_batch=512,
-                          n_threads=threads or os.cpu_count(), flash_attn=True, n_gpu_layers=0,
-                          verbose=False, **kw)
+    try:
+        llm = llama_cpp.Llama(model_path=spec.path, n_ctx=n_ctx, n_batch=512,
+                              n_threads=threads or os.cpu_count(), flash_attn=True,
+                              n_gpu_layers=0, verbose=False, **kw)
+    except (ValueError, RuntimeError, MemoryError) as e:  # e.g. "Failed to create llama_context"
+        return f"n_ctx {n_ctx:,}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
     out = []
     for ids in prompts:
         got: list[int] = []
