@@ -91,6 +91,7 @@ try:
         select_blocks,
         topk_blocks,
         topk_blocks_ref,
+        turned_back_ref,
     )
     from .attention import (  # noqa: E402
         LayerKV,
@@ -126,5 +127,5 @@ __all__ = [
     "qgemv", "qgemv_ref", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref", "rope",
     "rope_ref", "rope_turns", "turned_ref", "score_blocks", "score_blocks_ref", "select_attend",
     "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash", "topk_blocks",
-    "topk_blocks_ref",
+    "topk_blocks_ref", "turned_back_ref",
 ]

@@ -131,31 +131,67 @@ def _block(kb, kind, out, sc):
                 out[a, c] = to_f32(kb[best, c])
 
 
+@njit(nogil=True, cache=True)
+def _decode(kb, x):
+    """Rows kb [bs, d] of a 16/32-bit storage dtype into x [bs, d] f32."""
+    for t in range(kb.shape[0]):
+        for c in range(kb.shape[1]):
+            x[t, c] = to_f32(kb[t, c])
+
+
+@njit(nogil=True, cache=True)
+def _turn_back(x, pos0, freq, tc, ts):
+    """Rows x [bs, d] f32 of tokens pos0.. turned back to position 0 (RoPE, rotate-half layout:
+    channel c pairs with c + h, h = freq.size), in place. tc, ts [bs, h]: cos and sin of
+    -t * freq; the block's own angle is added by the angle-sum formulas (float64)."""
+    h = freq.shape[0]
+    for c in range(h):
+        a = -np.float64(pos0) * freq[c]
+        bc, bsn = np.cos(a), np.sin(a)
+        for t in range(x.shape[0]):
+            co = bc * tc[t, c] - bsn * ts[t, c]
+            si = bsn * tc[t, c] + bc * ts[t, c]
+            x1, x2 = np.float64(x[t, c]), np.float64(x[t, c + h])
+            x[t, c] = F32(x1 * co - x2 * si)
+            x[t, c + h] = F32(x2 * co + x1 * si)
+
+
 @njit(parallel=True, nogil=True, cache=True)
-def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, fmt, token_scores):
+def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, fmt, token_scores, freq,
+             tc, ts):
     # K bytes [Hkv, nb, bs, d*size]; anchors bytes [Hkv, nb_cap, A, row] in format fmt;
-    # token_scores [Hkv, n | 0]
+    # token_scores [Hkv, n | 0]; freq [h | 0] f64 (none: keys as stored), tc/ts [bs, h]
     hkv, bs = k_tail.shape[0], k_tail.shape[2]
     na, row = anchors.shape[2], anchors.shape[3]
     d = row - Q8_EXTRA if fmt == FMT_Q8 else row // (2 if fmt == FMT_BF16 else 4)
     nblk = last - first
+    turn = freq.shape[0] > 0
     for it in prange(hkv * nblk):
         j, b = it // nblk, first + it % nblk
         kb = k_base[j, b] if b < nb_base else k_tail[j, b - nb_base]  # [bs, d*size]
         sc = token_scores[j, b * bs:(b + 1) * bs]
         out = np.empty((na, d), F32)  # [A, d]
-        if dtype == 1:  # view the bytes back as the storage dtype
+        if dtype >= 3 or turn:  # decode the block first (quantised rows, or to turn them)
+            x = np.empty((bs, d), F32)
+            if dtype == 1:
+                _decode(kb.view(np.uint16), x)
+            elif dtype == 2:
+                _decode(kb.view(np.int16), x)
+            elif dtype == 0:
+                _decode(kb.view(F32), x)
+            else:
+                for t in range(bs):
+                    if dtype == 3:
+                        row_to_f32(kb[t].view(np.int32), x[t])
+                    else:
+                        row_to_f32(kb[t].view(np.uint32), x[t])
+            if turn:
+                _turn_back(x, b * bs, freq, tc, ts)
+            _block(x, kind, out, sc)
+        elif dtype == 1:  # view the bytes back as the storage dtype
             _block(kb.view(np.uint16), kind, out, sc)
         elif dtype == 2:
             _block(kb.view(np.int16), kind, out, sc)
-        elif dtype >= 3:  # quantised rows: decode the block first
-            x = np.empty((bs, d), F32)
-            for t in range(bs):
-                if dtype == 3:
-                    row_to_f32(kb[t].view(np.int32), x[t])
-                else:
-                    row_to_f32(kb[t].view(np.uint32), x[t])
-            _block(x, kind, out, sc)
         else:
             _block(kb.view(F32), kind, out, sc)
         if fmt == FMT_Q8:
@@ -175,13 +211,41 @@ def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, fmt, to
                     dst32[a, c] = out[a, c]
 
 
+def _turn_tables(inv_freq: np.ndarray | None, bs: int, d: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """freq [h] f64 and the cos, sin [bs, h] of -t * freq (t < bs) for `_anchors`; empty
+    without inv_freq."""
+    if inv_freq is None:
+        z = np.zeros((bs, 0))
+        return np.zeros(0), z, z
+    freq = np.ascontiguousarray(inv_freq, np.float64)
+    if freq.ndim != 1 or not 0 < 2 * freq.size <= d:
+        raise ValueError(f"inv_freq must be [h] with 0 < 2h <= head_dim {d}, got {freq.shape}")
+    ang = -np.arange(bs, dtype=np.float64)[:, None] * freq[None]  # [bs, h]
+    return freq, np.cos(ang), np.sin(ang)
+
+
+def turned_back_ref(k: np.ndarray, inv_freq: np.ndarray, pos0: int = 0) -> np.ndarray:
+    """Keys k [..., n, d] of positions pos0.. turned back to position 0 (float64 NumPy)."""
+    h = inv_freq.size
+    ang = -(pos0 + np.arange(k.shape[-2], dtype=np.float64))[:, None] * inv_freq[None]  # [n, h]
+    co, si = np.cos(ang), np.sin(ang)
+    out = np.array(k, np.float64)
+    x1, x2 = out[..., :h].copy(), out[..., h:2 * h].copy()
+    out[..., :h] = x1 * co - x2 * si
+    out[..., h:2 * h] = x2 * co + x1 * si
+    return out
+
+
 def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
-                    token_scores=None, *, kv_kind):
+                    token_scores=None, *, kv_kind, inv_freq=None):
     """Fill `anchors[:, first:last]` for the full blocks `first..last-1` (in place).
 
     k_base [Hkv, nb_base, bs, d], k_tail [Hkv, nb_tail_cap, bs, d] storage per kv_kind;
     anchors [Hkv, nb_cap, anchor_num, d (+ 4 for Q8)] in any anchor format (BF16 rounds to
-    nearest even); token_scores [Hkv, n_tokens] f32 for DYNAMIC.
+    nearest even); token_scores [Hkv, n_tokens] f32 for DYNAMIC. With inv_freq [h] (RoPE
+    frequencies), every key is first turned back to position 0: anchors that carry no position,
+    scored by a query turned to one distance for every block.
     """
     if anchor_type not in ANCHOR_TYPES:
         raise ValueError(f"unknown anchor_type {anchor_type!r}")
@@ -205,14 +269,19 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
     if last > first:
         use_threads()
         _anchors(kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind), kv_kind,
-                 nb_base, first, last, kind, raw, fmt, token_scores)
+                 nb_base, first, last, kind, raw, fmt, token_scores,
+                 *_turn_tables(inv_freq, bs, d))
 
 
 def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,
-                        token_scores=None, *, kv_kind):
+                        token_scores=None, *, kv_kind, inv_freq=None):
     """float64 NumPy reference of `compute_anchors` (writes into `anchors`, any format)."""
     hkv, _, bs, _ = k_tail.shape
     k = np.concatenate([kv_to_f64(k_base, kv_kind), kv_to_f64(k_tail, kv_kind)], axis=1)
+    if inv_freq is not None:  # [Hkv, nb, bs, d]: every key turned back to position 0
+        nb = k.shape[1]
+        k = turned_back_ref(k.reshape(hkv, nb * bs, -1), np.asarray(inv_freq, np.float64))
+        k = k.reshape(hkv, nb, bs, -1)
     fmt = anchor_format(anchors)
     for b in range(first, last):
         kb = k[:, b]  # [Hkv, bs, d]

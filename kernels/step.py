@@ -51,9 +51,10 @@ NEXT, SCORED, CHOSEN = 0, 8, 16  # counter slots, a cache line apart: next task,
 
 
 @njit(nogil=True, cache=True)
-def _prologue(q, anchors, quest, perm_a, n, hkv, perm, scale, n_items, rows, k):
+def _prologue(q, qsel, anchors, quest, perm_a, n, hkv, perm, scale, n_items, rows, k):
     """The kernel's allocations, serial (in the parallel function each would be a parfor)."""
-    qs, per_head = score_prep(q, hkv, anchors.shape[2], quest, perm_a, n)  # [Hkv, A, P], [Hkv, n]
+    # [Hkv, A, P], [Hkv, n]
+    qs, per_head = score_prep(qsel, hkv, anchors.shape[2], quest, perm_a, n)
     qp = pack_rows(q, hkv, perm, scale)  # [Hkv, R, P]
     acc, mx, den = softmax_state(n_items, qp.shape[1], qp.shape[2])
     return (qs, per_head, qp, acc, mx, den, np.empty((rows, k), np.int32),
@@ -72,10 +73,11 @@ def _choose(per_head, candidates, k, shared, chosen, base, shifts):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _step(q, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, fixed_sh, base, k_base,
-          v_base, k_tail, v_tail, kind, nb_base, n_blocks, n_tokens, scale, perm, tab, rot, lanes,
-          per, sf, ss):
-    # q [Hq, d]; anchors bytes [Hkv, nb_cap, A, row]; candidates [n], fixed [nf] int32;
+def _step(q, qsel, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, fixed_sh, base,
+          k_base, v_base, k_tail, v_tail, kind, nb_base, n_blocks, n_tokens, scale, perm, tab, rot,
+          lanes, per, sf, ss):
+    # q [Hq, d], qsel [Hq, d] the query that scores; anchors bytes [Hkv, nb_cap, A, row];
+    # candidates [n], fixed [nf] int32;
     # fixed_sh [nf] or [0] and base (< 0: none): shifts (see select_attend); tab, rot: a Turns;
     # K/V bytes [Hkv, nb, bs, row bytes]; per / sf / ss: parts per head of the scoring, the fixed
     # blocks and the chosen ones -> out [Hq, d], lse [Hq], chosen [S, k]
@@ -84,7 +86,7 @@ def _step(q, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, fixed_sh
         raise ValueError("block id out of range")
     hkv, n, nf, ni = k_tail.shape[0], candidates.shape[0], fixed.shape[0], sf + ss
     qs, per_head, qp, acc, mx, den, chosen, csh, ctr = _prologue(
-        q, anchors, quest, perm_a, n, hkv, perm, scale, hkv * ni, 1 if shared else hkv, k)
+        q, qsel, anchors, quest, perm_a, n, hkv, perm, scale, hkv * ni, 1 if shared else hkv, k)
     n_score, n_fixed = hkv * per, hkv * sf
     n_tasks = n_score + n_fixed + hkv * ss
     for _lane in prange(lanes):
@@ -145,12 +147,14 @@ def select_attend(q, anchors, candidates, k, quest, shared, fixed, k_base, v_bas
 
 def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, shared, fixed,
                         n_tokens, scale, fixed_shifts=None, chosen_base=-1,
-                        turns: Turns | None = None):
+                        turns: Turns | None = None, qscore=None):
     """`select_attend` over a layer's prepared K/V and anchor views. With `fixed_shifts` [nf]
     int32, `chosen_base` and their `turns`, blocks are read at other positions (see
     `attend_layer`): fixed block i as if fixed_shifts[i] blocks later, the i-th chosen block of a
-    row as if it were block chosen_base + i (chosen_base < 0: the chosen blocks where they are)."""
+    row as if it were block chosen_base + i (chosen_base < 0: the chosen blocks where they are).
+    qscore [Hq, d]: the query that scores the candidates (default q)."""
     q = kv.query(q)
+    qsel = q if qscore is None else kv.query(qscore)
     fixed = readonly(fixed, np.int32)
     if fixed.ndim != 1:
         raise ValueError(f"fixed must be 1-D, got {fixed.shape}")
@@ -178,7 +182,7 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
     # the top-k waits for the last scoring part, and the chosen blocks' items end the step
     # (ad hoc A/Bs at 128K-1M on 2 threads: equal parts took 1.00-1.16x the time)
     split = items_per_head(kv.hkv)
-    return _step(q, av.raw, av.fmt, candidates, bool(quest), k, bool(shared), av.perm, fixed,
+    return _step(q, qsel, av.raw, av.fmt, candidates, bool(quest), k, bool(shared), av.perm, fixed,
                  fsh[0], base, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind,
                  kv.nb_base, kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm,
                  turns.tab, turns.rot, use_threads(), min(2 * split, candidates.size),

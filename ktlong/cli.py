@@ -788,6 +788,10 @@ def bench_accuracy(model: ModelOpt = None,
                        help="What the facts hide in: filler (random words, what the demo model "
                             "was trained on), prose (a generated story) or real (license texts and "
                             "Python's documentation: text nobody here wrote).")] = "filler",
+                   lead: Annotated[bool, typer.Option(
+                       "--lead", help="Start each answer with the reference answer's words "
+                       "before the value (\"The pass key is\"), as pass key benchmarks do for "
+                       "pretrained models: the model only writes the value.")] = False,
                    plot: PlotOpt = None, png: PngOpt = None,
                    seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
                    threads: ThreadsOpt = 0,
@@ -826,9 +830,10 @@ def bench_accuracy(model: ModelOpt = None,
                f"--samples {samples} --profiles {','.join(names)}"
                f"{'' if task_names == list(tasks.TASKS) else f' --tasks {asked}'}"
                f"{'' if haystack == 'filler' else f' --haystack {haystack}'}"
-               f"{f' --seed {seed}' if seed else ''}{f' -t {threads}' if threads else ''}")
+               f"{' --lead' if lead else ''}{f' --seed {seed}' if seed else ''}"
+               f"{f' -t {threads}' if threads else ''}")
     accuracy.main(model, _lengths(lengths), samples, names, as_json, plot_file, threads, seed,
-                  command, task_names, haystack)
+                  command, task_names, haystack, lead)
 
 
 @bench_app.command("cache")

@@ -138,6 +138,11 @@ class Settings:
                               "block), and a WINDOW prefill reads the first init_len tokens as "
                               "the ones just before its window; AS_IS at their own positions",
                               choices=("COMPACT", "AS_IS"))
+    score_positions: str = _f("enum", "NEAR", "sparse attention", "NEAR scores every block "
+                              "as if it sat just before the local window (anchors of keys turned "
+                              "back to position 0, the query turned to the window's length), so "
+                              "a far block is not outscored by near ones for its distance alone; "
+                              "AS_IS at its own distance", choices=("NEAR", "AS_IS"))
     select_neighbours: bool = _f("bool", False, "sparse attention", "Each selected block brings "
                                  "the block after it, within the same budget")
     spread_blocks: int = _f("int", 0, "sparse attention", "Of the selected blocks, this many "

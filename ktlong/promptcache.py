@@ -188,6 +188,12 @@ def verify(path: Path, header: dict[str, Any], offset: int) -> float:
     return time.perf_counter() - t0
 
 
+def anchor_label(settings: Settings) -> str:
+    """What an entry's anchors are: the anchor type, with ":NEAR" when the keys were turned back
+    to position 0 first (score_positions NEAR)."""
+    return settings.anchor_type + (":NEAR" if settings.score_positions == "NEAR" else "")
+
+
 def map_entry(
     path: Path,
     header: dict[str, Any],
@@ -196,7 +202,9 @@ def map_entry(
     anchor_type: str,
     anchor_num: int,
 ) -> tuple[KVStore, list[int]]:
-    """A KVStore whose base segment is the entry's full blocks, memory-mapped read-only."""
+    """A KVStore whose base segment is the entry's full blocks, memory-mapped read-only; the
+    entry's anchors come with it when they are of `anchor_type` (an `anchor_label`) and
+    `anchor_num`, else they are taken afresh when needed."""
     c = header["content"]
     L, H, d = c["shape"]
     dtype = np.dtype(KV_TYPES[c["kv_type"]][0])
@@ -217,7 +225,7 @@ def map_entry(
         if (header["anchor_type"], header["anchor_num"]) == (anchor_type, anchor_num) and nb:
             if header["version"] == 1:  # BF16 anchors: to Q8
                 a = kv_to_f64(np.memmap(path, np.uint16, "r", o, (H, nb, anchor_num, d)), 1)
-                anchors.append(q8_encode(a.astype(np.float32), anchor_type == "QUEST"))
+                anchors.append(q8_encode(a.astype(np.float32), anchor_type.startswith("QUEST")))
             else:
                 anchors.append(
                     np.array(np.memmap(path, np.uint8, "r", o, (H, nb, anchor_num, d + Q8_EXTRA)))
@@ -277,7 +285,7 @@ def write_entry(
         "n_blocks": n_full,
         "remainder": rem,
         "anchor_num": store.shape.anchor_num,
-        "anchor_type": session.settings.anchor_type,
+        "anchor_type": anchor_label(session.settings),
         # each layer's input/output cosine summed over the prefilled tokens (layer_budget SQUEEZE)
         "layer_cos": {"sum": store.layer_cos_sum.tolist(), "tokens": store.layer_cos_tokens},
         "created": time.time(),
@@ -396,7 +404,7 @@ class PromptCache:
             header,
             offset,
             settings.max_seq_len,
-            settings.anchor_type,
+            anchor_label(settings),
             settings.anchor_num,
         )
         os.utime(entry.path)  # last used, for LRU eviction
@@ -563,7 +571,7 @@ def open_document(
         if session.store.tier is not None:  # read the entry's copy, free the tier's
             header, offset = read_header(path)
             entry, _ = map_entry(path, header, offset, settings.max_seq_len,
-                                 settings.anchor_type, settings.anchor_num)
+                                 anchor_label(settings), settings.anchor_num)
             session.store.adopt_base(entry)
     return Opened(session, source, path, note)
 

@@ -14,7 +14,10 @@ budget. With `select_neighbours`, each chosen block brings the one after it (a f
 straddles two blocks is read whole), still `second_select_num` blocks in all; with
 `spread_blocks`, that many of them are each the best of an equal run of the document. With
 `block_positions: COMPACT` the blocks before the local window are read as if they were the ones
-just before it (`read_layout`): no key further than the step's budget from the query.
+just before it (`read_layout`): no key further than the step's budget from the query. With
+`score_positions: NEAR` the blocks are scored the same way: anchors of keys turned back to position
+0, the query turned to the local window's length, so each block is judged at the distance it
+will be read from, not at its own (RoPE's decay would favour the near ones).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class SelectionPolicy:
         self.inv_freq: np.ndarray | None = None  # [rot/2] the model's RoPE frequencies
         self.head_dim = spec.head_dim
         self._turns: kernels.Turns | None = None  # block_positions COMPACT's query turns
+        self._score_turn: tuple[int, np.ndarray, np.ndarray] | None = None  # (n_tokens, cos, sin)
         self._preselect_upto = 0  # blocks complete when the vote was taken
         self.n_layers = store.shape.n_layers  # the layers the store holds (spec.kv_layers)
         self._dynamic_upto = [0] * self.n_layers  # blocks with DYNAMIC (vote-based) anchors
@@ -180,13 +184,34 @@ class SelectionPolicy:
         their run of the document."""
         quest = self.s.anchor_type == "QUEST"
         anchors = self.store.anchors[step.layer]
+        q = self.score_query(step)
         if not self._scores_apart():
-            return kernels.select_blocks(step.q, anchors, step.candidates, step.k, quest,
-                                         self.shared)
-        scores = kernels.score_blocks(step.q, anchors, step.candidates, quest, self.shared)
+            return kernels.select_blocks(q, anchors, step.candidates, step.k, quest, self.shared)
+        scores = kernels.score_blocks(q, anchors, step.candidates, quest, self.shared)
         if self.s.spread_blocks:
             return spread_choice(scores, step.candidates, step.k, self.s.spread_blocks)
         return with_neighbours(scores, step.candidates, step.k)
+
+    def anchor_freq(self) -> np.ndarray | None:
+        """`[h]` the RoPE frequencies keys are turned back by before their anchors are taken
+        (score_positions NEAR), or None: anchors of the keys as stored."""
+        return self.inv_freq if self.s.score_positions == "NEAR" else None
+
+    def score_query(self, step: Step) -> np.ndarray:
+        """`[Hq, d]` f32: the query that scores the step's candidates; with score_positions NEAR
+        turned from its own position to the local window's length (anchors sit at 0)."""
+        if self.anchor_freq() is None:
+            return step.q
+        if self._score_turn is None or self._score_turn[0] != step.n_tokens:
+            ang = (self.s.local_windows_len - (step.n_tokens - 1)) * self.inv_freq  # [h]
+            self._score_turn = (step.n_tokens, np.cos(ang), np.sin(ang))
+        _, c, s = self._score_turn
+        h = c.size
+        q = step.q.astype(np.float64)  # [Hq, d]
+        out = step.q.copy()
+        out[:, :h] = q[:, :h] * c - q[:, h:2 * h] * s
+        out[:, h:2 * h] = q[:, h:2 * h] * c + q[:, :h] * s
+        return out
 
     def _scores_apart(self) -> bool:
         """Whether the choice is made in NumPy from the kernel's scores (not in one kernel call
@@ -246,7 +271,8 @@ class SelectionPolicy:
             base = step.local0 - step.k - m if compact else -1
             out, lse, chosen = kernels.select_attend_layer(
                 kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
-                self.shared, fixed, step.n_tokens, scale, shifts, base, turns)
+                self.shared, fixed, step.n_tokens, scale, shifts, base, turns,
+                qscore=self.score_query(step))
             self.commit(step, chosen)
             return out, lse
         if step.candidates is not None:
@@ -274,7 +300,7 @@ class SelectionPolicy:
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
         out, lse, chosen = kernels.select_attend_layer(
             kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
-            self.shared, step.fixed(end), step.n_tokens, scale)
+            self.shared, step.fixed(end), step.n_tokens, scale, qscore=self.score_query(step))
         self.commit(step, chosen)
         return out, lse
 
@@ -315,6 +341,7 @@ class SelectionPolicy:
             self.store.anchors[layer],
             token_scores,
             kv_kind=self.store.kv_kind,
+            inv_freq=self.anchor_freq(),
         )
         self.store.n_anchored[layer] = max(self.store.n_anchored[layer], last)
         if first < self.store.nb_base and self.store.mapped:

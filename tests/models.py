@@ -41,6 +41,7 @@ def settings(**kw: object) -> Settings:
         preselect_block_count=16,
         question_blocks=0,  # tests that pin set it
         block_positions="AS_IS",  # tests of compacted reads set COMPACT
+        score_positions="AS_IS",  # tests of position-free scoring set NEAR
     )
     base.update(kw)
     return dataclasses.replace(Settings(), **base)  # type: ignore[arg-type]

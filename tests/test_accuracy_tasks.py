@@ -251,3 +251,38 @@ def test_a_peer_that_cannot_run_says_so_in_one_line(tmp_path: Path,
     assert recs == []
     assert len(lines) == 1 and "llamacpp did not run (n_ctx " in lines[0]
     assert "Failed to create llama_context" in lines[0]
+
+
+def test_a_sliding_window_model_answers_as_a_chat_would(tmp_path: Path) -> None:
+    """Gemma 3 (sliding-window layers kept apart from the store): each profile's copy of the
+    prefilled document carries the window layers' rows, so the bench's dense answer is the one a
+    session that prefilled the document itself gives; with --lead the answer starts with the
+    reference answer's words and the model writes on from there."""
+    from ktlong.config import resolve_settings
+    from ktlong.conversation import Conversation
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+    from ktlong.tinymodel import make_model
+
+    path = make_model(tmp_path / "gemma", "gemma3_text", layers=6, hidden=64, heads=4,
+                      kv_heads=1, head_dim=16, sliding_window=16, seed=3)
+    recs = acc.run(path, [300], 1, ["dense"], task_names=["passkey"], threads=1, lead=True)
+    assert len(recs) == 1
+    fact = tasks.make_mixed(300 * 101, 300, acc.depths_for(0, 1, ["passkey"])).asked[0]
+    assert recs[0].answer.startswith(fact.lead)
+
+    lm = load_model(path, "CPU")
+    tok = lm.tokenizer
+    sample = tasks.make_mixed(300 * 101, 300, acc.depths_for(0, 1, ["passkey"]),
+                              count=lambda t: len(tok(t, add_special_tokens=False)["input_ids"]))
+    conv = Conversation(tok, sample.document)
+    st = resolve_settings("dense", {"max_seq_len": 300 + 1024, "device": "CPU", "threads_num": 1},
+                          config_file=False).settings
+    s = Session(lm, st)
+    s.prefill(conv.document_ids())
+    s.extend_to(conv.prompt_ids(fact.question) + tok(fact.lead, add_special_tokens=False)
+                ["input_ids"])
+    ids = [x.token_id for x in s.generate(Sampling(max_new_tokens=acc.MAX_NEW_TOKENS,
+                                                   temperature=0.0))
+           if x.token_id not in lm.eos_ids]
+    assert recs[0].answer == fact.lead + tok.decode(ids, skip_special_tokens=True)

@@ -57,6 +57,53 @@ def test_anchors_match_reference(kind, anchor_type, bs):
                                            atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
+@pytest.mark.parametrize("anchor_type", TYPES)
+def test_turned_back_anchors_match_reference(kind, anchor_type):
+    """With inv_freq, anchors of the keys turned back to position 0 equal the reference's (which
+    turns them in float64), for every key dtype and anchor type; partial rotary included."""
+    rng = np.random.default_rng(7 * kind + TYPES.index(anchor_type))
+    num = 2 if anchor_type == "QUEST" else 3
+    for d, rot in ((64, 64), (96, 64)):
+        if kind >= 3 and d % 32:
+            continue
+        hkv, bs, nb = 2, 16, 9
+        inv = 10000.0 ** (-np.arange(0, rot, 2) / rot)  # [rot/2]
+        k = K.f32_to_kv(rng.standard_normal((hkv, nb, bs, d)).astype(np.float32), kind)
+        kb, kt = k[:, :4].copy(), k[:, 4:].copy()
+        scores = np.round(rng.random((hkv, nb * bs)) * 4).astype(np.float32)
+        got = np.zeros((hkv, nb, num, d), np.float32)
+        want = got.copy()
+        K.compute_anchors(kb, kt, 4, 2, nb, anchor_type, num, got, scores, kv_kind=kind,
+                          inv_freq=inv)
+        K.compute_anchors_ref(kb, kt, 4, 2, nb, anchor_type, num, want, scores, kv_kind=kind,
+                              inv_freq=inv)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert not got[:, :2].any()  # blocks before `first` untouched
+
+
+def test_turned_back_anchors_carry_no_position():
+    """The same keys written at two different positions give the same turned-back anchors (up
+    to float32 rounding of the rotation), and a query turned to one distance scores them alike:
+    what position-free block scoring rests on."""
+    rng = np.random.default_rng(3)
+    hkv, bs, d = 1, 8, 32
+    inv = 10000.0 ** (-np.arange(0, d, 2) / d)
+    k0 = rng.standard_normal((bs, d))  # [bs, d] keys at position 0 (no rotation)
+    nb = 40
+    k = np.zeros((hkv, nb, bs, d), np.float32)
+    for b in (1, 37):  # the same block of keys at two places, rotated to where it sits
+        pos = b * bs + np.arange(bs)
+        ang = pos[:, None] * inv[None]
+        x1, x2 = k0[:, : d // 2], k0[:, d // 2:]
+        k[0, b] = np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang),
+                                  x2 * np.cos(ang) + x1 * np.sin(ang)], axis=1)
+    an = np.zeros((hkv, nb, 1, d), np.float32)
+    K.compute_anchors(k[:, :0], k, 0, 0, nb, "MAX", 1, an, kv_kind=0, inv_freq=inv)
+    np.testing.assert_allclose(an[0, 1], an[0, 37], atol=1e-4)
+    np.testing.assert_allclose(an[0, 1, 0], k0.max(0), atol=1e-4)
+
+
 def test_anchors_reject_bad_arguments():
     k = np.zeros((2, 3, 16, 32), np.uint16)
     an = np.zeros((2, 3, 1, 32), np.float32)

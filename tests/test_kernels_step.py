@@ -125,6 +125,37 @@ def test_select_attend_with_turned_reads(kind, bs):
         np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("turned", [False, True])
+def test_select_attend_scores_with_its_own_query(turned):
+    """qscore chooses the blocks (as select_blocks with it would), q is attended with (the
+    output equals the reference's for q over that choice), with and without turned reads."""
+    rng = np.random.default_rng(5 + turned)
+    differ = 0
+    for trial in range(4):
+        args = draw(rng, 3, 16, 1, "Q8", quest=trial == 3, shared=trial % 2 == 0)
+        q, anchors, cand, k, quest, shared, fixed, kb, vb, kt, vt, nb_base, n_tokens, scale = \
+            args[:14]
+        qscore = rng.standard_normal(q.shape).astype(np.float32)
+        kv = K.layer_kv(kb, vb, kt, vt, nb_base, 1)
+        extra = ()
+        if turned:
+            turns = K.rope_turns(rope_freqs(rng, q.shape[1]), 16, 80, q.shape[1], 1)
+            extra = (np.zeros(fixed.size, np.int32), -1, turns)
+        out, lse, chosen = K.select_attend_layer(kv, K.anchor_view(anchors), q, cand, k, quest,
+                                                 shared, fixed, n_tokens, scale, *extra,
+                                                 qscore=qscore)
+        want = K.select_blocks(qscore, anchors, cand, k, quest, shared)
+        np.testing.assert_array_equal(chosen, want)
+        differ += not np.array_equal(want, K.select_blocks(q, anchors, cand, k, quest, shared))
+        blocks = np.sort(np.concatenate([np.broadcast_to(fixed, (want.shape[0], fixed.size)),
+                                         want], axis=1), axis=1)
+        ref_out, ref_lse = K.attend_blocks_ref(q, kb, vb, kt, vt, nb_base, blocks, n_tokens,
+                                               scale, 1)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=2e-5)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+    assert differ  # some draw where q alone would have chosen other blocks
+
+
 def test_concurrent_steps_from_two_threads():
     """The task counter is per call: two Python threads stepping at once get exact results."""
     rng = np.random.default_rng(4)

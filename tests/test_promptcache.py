@@ -86,6 +86,30 @@ def test_selection_settings_do_not_invalidate_but_kv_settings_do(lm, tmp_path):
     )
 
 
+def test_anchors_of_the_other_score_positions_are_taken_again(lm, tmp_path):
+    """An entry records whether its anchors are of keys turned back to position 0 (NEAR): opened
+    with the other setting, it still serves the KV, its anchors are taken afresh, and the answer
+    equals that of a fresh prefill under the setting in force."""
+    ids = _ids(lm, 1500)
+    near = settings(anchor_type="MAX", second_select_num=3, score_positions="NEAR")
+    first = open_document(lm, near, ids, cache_dir=tmp_path)
+    assert read_header(first.entry)[0]["anchor_type"] == "MAX:NEAR"
+    as_is = settings(anchor_type="MAX", second_select_num=3)
+    again = open_document(lm, as_is, ids, cache_dir=tmp_path)
+    cold = open_document(lm, as_is, ids, use_cache=False)
+    assert again.source == "cache"
+    assert _answer(again.session) == _answer(cold.session)  # both take their anchors
+    want = _answer(first.session)
+    nb = again.session.store.nb_base
+    for layer, got in enumerate(again.session.store.anchors):
+        np.testing.assert_array_equal(got[:, :nb], cold.session.store.anchors[layer][:, :nb])
+        assert not np.array_equal(got[:, :nb], first.session.store.anchors[layer][:, :nb])
+    hit = open_document(lm, near, ids, cache_dir=tmp_path)
+    for layer, got in enumerate(hit.session.store.anchors):  # read from the entry
+        np.testing.assert_array_equal(got[:, :nb], first.session.store.anchors[layer][:, :nb])
+    assert _answer(hit.session) == want
+
+
 @pytest.fixture(scope="module")
 def lm32():
     """head_dim 32: whole Q8_0 / Q4_0 blocks."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ktlong import kernels as K
 from ktlong.config import available_profiles, resolve_settings
 from ktlong.engine import Sampling, Session
 from ktlong.model import load_model
@@ -44,6 +45,29 @@ def test_step_reads_init_topk_and_local_blocks():
     q = _q(s).reshape(s.lm.spec.n_kv_heads, -1, s.lm.spec.head_dim)  # [Hkv, g, d]
     score = np.einsum("hgd,hbd->b", q, anchors)
     assert sorted(middle) == sorted((np.argsort(-score)[:8] + 1).tolist())
+
+
+def test_near_scoring_turns_keys_back_and_the_query_to_the_window():
+    """score_positions NEAR: the chosen blocks are the top 8 by MEAN anchors of the keys turned
+    back to position 0, against the query turned from its position to local_windows_len,
+    checked in NumPy; the anchors carry no position, so they differ from AS_IS's."""
+    s = _session(anchor_type="MEAN", score_positions="NEAR")
+    n = len(s.tokens)
+    blocks = s.policy.select(0, _q(s), n)
+    local0 = (n - 64) // 16
+    middle = [b for b in blocks[0] if 1 <= b < local0]
+    inv = s.policy.inv_freq  # [h]
+    k = s.store.k_tail[0][:, :local0].reshape(s.lm.spec.n_kv_heads, -1, 16, 16)  # [Hkv, n, d]
+    k0 = K.turned_back_ref(k.reshape(k.shape[0], -1, k.shape[-1]), inv)  # [Hkv, n, d]
+    anchors = k0.reshape(k.shape)[:, 1:local0].mean(axis=2)  # [Hkv, n_cand, d]
+    q = np.stack([K.turned_ref(row, inv, 64 - (n - 1)) for row in _q(s)])  # [Hq, d]
+    q = q.reshape(s.lm.spec.n_kv_heads, -1, s.lm.spec.head_dim)  # [Hkv, g, d]
+    score = np.einsum("hgd,hbd->b", q, anchors)
+    assert sorted(middle) == sorted((np.argsort(-score)[:8] + 1).tolist())
+    stored = K.anchors_to_f64(s.store.anchors[0])[:, 1:local0, 0]  # [Hkv, n_cand, d]
+    step = np.abs(anchors).max(-1, keepdims=True) / 127  # Q8's step
+    assert np.all(np.abs(stored - anchors) <= 0.51 * step + 1e-6)
+    assert not np.allclose(stored, s.store.k_tail[0][:, 1:local0].mean(axis=2), atol=0.05)
 
 
 def test_separate_mode_selects_per_kv_head():

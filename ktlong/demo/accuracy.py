@@ -93,9 +93,11 @@ def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
 
 def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
         seed: int = 0, threads: int = 0, report: Callable[[str], None] | None = None,
-        task_names: Sequence[str] = tasks.TASKS, haystack: str = "filler") -> list[Record]:
+        task_names: Sequence[str] = tasks.TASKS, haystack: str = "filler",
+        lead: bool = False) -> list[Record]:
     """Every (length, sample, task, profile); `report` gets one line per document.
-    `task_names`: of tasks.ALL_TASKS; `haystack`: of tasks.HAYSTACKS."""
+    `task_names`: of tasks.ALL_TASKS; `haystack`: of tasks.HAYSTACKS; `lead`: each answer starts
+    with the reference answer's words before the value (`Fact.lead`), given in the prompt."""
     from ktlong.config import resolve_settings
     from ktlong.conversation import Conversation
     from ktlong.engine import Sampling, Session
@@ -131,6 +133,13 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                                       haystack=haystack)
             conv = Conversation(tok, sample.document)
             doc_ids = conv.document_ids()
+
+            def prompt(fact: tasks.Fact, conv: Any = conv) -> tuple[list[int], str]:
+                """The question's prompt ids (with the answer's lead) and the lead's text."""
+                head = fact.lead if lead else ""
+                return conv.prompt_ids(fact.question) + (
+                    tok(head, add_special_tokens=False)["input_ids"] if head else []), head
+
             prefilled = {}
             for key, base in bases.items():
                 s0 = Session(lm, base)
@@ -140,21 +149,25 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
             line = []
             for name, st in per.items():
                 s0 = prefilled[_prefill_key(st)]
-                shape = StoreShape(spec.n_layers, spec.n_kv_heads, spec.head_dim, st.block_size,
-                                   st.kv_type, st.anchor_num)
+                # the layers the prefill's store holds (Gemma 3: its global ones)
+                shape = StoreShape(s0.store.shape.n_layers, spec.n_kv_heads, spec.head_dim,
+                                   st.block_size, st.kv_type, st.anchor_num)
                 store = _copy_store(s0.store, shape, len(doc_ids), cap)
+                if s0.window is not None:  # the sliding-window layers' last rows (Gemma 3)
+                    store.window_rows = s0.window.state(len(doc_ids))
                 sess = Session(lm, st, store=store, tokens=doc_ids)
                 sess.policy.on_prefill_end(s0.router.captured, len(doc_ids))
                 right = 0
                 for fact in sample.asked:
-                    sess.extend_to(conv.prompt_ids(fact.question))
+                    ids, head = prompt(fact)
+                    sess.extend_to(ids)
                     ids, share = [], 1.0
                     for step in sess.generate(Sampling(max_new_tokens=MAX_NEW_TOKENS,
                                                        temperature=0.0)):
                         if step.token_id not in lm.eos_ids:
                             ids.append(step.token_id)
                         share = step.stats.attended_share
-                    answer = tok.decode(ids, skip_special_tokens=True)
+                    answer = head + tok.decode(ids, skip_special_tokens=True)
                     ok = tasks.is_correct(fact, answer)
                     right += ok
                     out.append(Record(n_tok, fact.kind, name, round(fact.depth, 3), ok, answer,
@@ -163,14 +176,14 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                 del sess, store
             for name in peers:
                 t1 = time.perf_counter()
-                prompts = [conv.prompt_ids(f.question) for f in sample.asked]
+                prompts = [prompt(f)[0] for f in sample.asked]
                 answers = _peer_answers(name, spec, prompts, threads, lm.eos_ids)
                 if isinstance(answers, str):  # llama.cpp could not run: no records, one line
                     line.append(f"{name} did not run ({answers})")
                     continue
                 right = 0
                 for fact, ids in zip(sample.asked, answers, strict=True):
-                    answer = tok.decode(ids, skip_special_tokens=True)
+                    answer = prompt(fact)[1] + tok.decode(ids, skip_special_tokens=True)
                     ok = tasks.is_correct(fact, answer)
                     right += ok
                     out.append(Record(n_tok, fact.kind, name, round(fact.depth, 3), ok, answer,
@@ -372,7 +385,7 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
 def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
          as_json: bool = False, plot_file: Path | None = None, threads: int = 0, seed: int = 0,
          command: str = "ktlong bench accuracy", task_names: Sequence[str] = tasks.TASKS,
-         haystack: str = "filler") -> None:
+         haystack: str = "filler", lead: bool = False) -> None:
     from rich.console import Console
 
     from ktlong.bench import plot as plotting
@@ -382,11 +395,11 @@ def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Seq
     err = Console(stderr=True)
     records = run(model, lengths, samples, profiles, seed, threads,
                   report=lambda line: err.print(line, highlight=False), task_names=task_names,
-                  haystack=haystack)
+                  haystack=haystack, lead=lead)
     data = {"bench": "accuracy", "command": command, "machine": plotting.machine(),
             "threads": threads or "auto (idle cores)",
             "model": str(model) if model else "ktlong's demo model",
-            "haystack": haystack, "tasks": list(task_names),
+            "haystack": haystack, "tasks": list(task_names), "lead": lead,
             "records": [dataclasses.asdict(r) for r in records], "summary": summary(records)}
     if plot_file is not None:
         plot(data, plot_file)

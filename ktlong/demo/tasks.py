@@ -77,6 +77,12 @@ class Fact:
     value: str  # what a correct answer must contain (pass key digits, the value, the activity)
     depth: float  # 0 = start of the document, 1 = its end
 
+    @property
+    def lead(self) -> str:
+        """The answer's first words, up to the value ("The pass key is"): what a benchmark may
+        start the answer with, so that a pretrained model only has to write the value."""
+        return self.answer[: self.answer.index(" is ") + 3]
+
 
 @dataclass
 class Sample:
