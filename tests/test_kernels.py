@@ -181,29 +181,34 @@ def rope_freqs(rng, d):
     return 1.0 / 10000.0 ** (np.arange(h) / h)
 
 
+def check_turned(rng, g, bs, kind, shared):
+    """One drawn read with the query turned back by each block's shift (runs of equal shifts,
+    negative ones, zero) against the float64 reference; all shifts 0 equal the plain read."""
+    q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, _ = draw(rng, g, bs, kind, shared)
+    inv = rope_freqs(rng, q.shape[1])
+    shifts = rng.integers(-6, 50, blocks.shape).astype(np.int32)
+    shifts[:, 1::3] = shifts[:, ::3][:, :shifts[:, 1::3].shape[1]]  # runs of one shift
+    shifts[:, -1] = 0
+    turns = K.rope_turns(inv, bs, 50, q.shape[1], kind)
+    kv = K.layer_kv(kb, vb, kt, vt, nb_base, kind)
+    out, lse = K.attend_layer(kv, q, blocks, n_tokens, scale, shifts, turns)
+    ref_out, ref_lse = K.attend_blocks_ref(q, kb, vb, kt, vt, nb_base, blocks, n_tokens,
+                                           scale, kind, shifts, inv)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=3e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-4)
+    plain = K.attend_layer(kv, q, blocks, n_tokens, scale)
+    zero = K.attend_layer(kv, q, blocks, n_tokens, scale, np.zeros_like(shifts), turns)
+    np.testing.assert_array_equal(zero[0], plain[0])  # shift 0: the query as it is
+
+
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
 @pytest.mark.parametrize("bs", [1, 16, 128])
 def test_turned_reads_match_reference(kind, bs):
-    """Each block read with the query turned back by its shift (runs of equal shifts, negative
-    ones, zero) equals the float64 reference, over partial rotary and every KV format."""
+    """Each block read with the query turned back by its shift equals the float64 reference,
+    over partial rotary and every KV format."""
     rng = np.random.default_rng(7 * kind + bs)
     for trial in range(3):
-        q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, _ = draw(rng, 4, bs, kind,
-                                                                      trial != 1)
-        inv = rope_freqs(rng, q.shape[1])
-        shifts = rng.integers(-6, 50, blocks.shape).astype(np.int32)
-        shifts[:, 1::3] = shifts[:, ::3][:, :shifts[:, 1::3].shape[1]]  # runs of one shift
-        shifts[:, -1] = 0
-        turns = K.rope_turns(inv, bs, 50, q.shape[1], kind)
-        kv = K.layer_kv(kb, vb, kt, vt, nb_base, kind)
-        out, lse = K.attend_layer(kv, q, blocks, n_tokens, scale, shifts, turns)
-        ref_out, ref_lse = K.attend_blocks_ref(q, kb, vb, kt, vt, nb_base, blocks, n_tokens,
-                                               scale, kind, shifts, inv)
-        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=3e-5)
-        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-4)
-        plain = K.attend_layer(kv, q, blocks, n_tokens, scale)
-        zero = K.attend_layer(kv, q, blocks, n_tokens, scale, np.zeros_like(shifts), turns)
-        np.testing.assert_array_equal(zero[0], plain[0])  # shift 0: the query as it is
+        check_turned(rng, 4, bs, kind, trial != 1)
 
 
 def test_a_turned_read_equals_the_keys_at_their_new_positions():

@@ -10,7 +10,7 @@ import pytest
 
 from ktlong import kernels as K
 from tests import test_kernels_step as step
-from tests.test_kernels import KINDS, check_attend, draw, rope_freqs
+from tests.test_kernels import KINDS, check_attend, check_turned, draw
 
 GROUPS = (2, 3, 5, 6, 7)  # tails of 2, 3, 1, 2, 3 heads after 0 or 1 tiles of 4
 
@@ -30,21 +30,7 @@ def test_turned_reads_match_reference(kind, g):
     zero) equal the float64 reference; all shifts 0 equal the plain read exactly."""
     rng = np.random.default_rng((kind, g, 1))
     for trial, bs in enumerate((16, 1, 128)):
-        q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, _ = draw(rng, g, bs, kind,
-                                                                      trial != 1)
-        inv = rope_freqs(rng, q.shape[1])
-        shifts = rng.integers(-6, 50, blocks.shape).astype(np.int32)
-        shifts[:, 1::3] = shifts[:, ::3][:, :shifts[:, 1::3].shape[1]]  # runs of one shift
-        turns = K.rope_turns(inv, bs, 50, q.shape[1], kind)
-        kv = K.layer_kv(kb, vb, kt, vt, nb_base, kind)
-        out, lse = K.attend_layer(kv, q, blocks, n_tokens, scale, shifts, turns)
-        ref_out, ref_lse = K.attend_blocks_ref(q, kb, vb, kt, vt, nb_base, blocks, n_tokens,
-                                               scale, kind, shifts, inv)
-        np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=3e-5)
-        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=2e-4)
-        plain = K.attend_layer(kv, q, blocks, n_tokens, scale)
-        zero = K.attend_layer(kv, q, blocks, n_tokens, scale, np.zeros_like(shifts), turns)
-        np.testing.assert_array_equal(zero[0], plain[0])
+        check_turned(rng, g, bs, kind, trial != 1)
 
 
 @pytest.mark.parametrize("kind", KINDS.values(), ids=KINDS.keys())
