@@ -145,12 +145,14 @@ def _turn_back(x, pos0, freq, tc, ts):
     channel c pairs with c + h, h = freq.size), in place. tc, ts [bs, h]: cos and sin of
     -t * freq; the block's own angle is added by the angle-sum formulas (float64)."""
     h = freq.shape[0]
+    bc, bsn = np.empty(h), np.empty(h)  # [h] the block's own angle
     for c in range(h):
         a = -np.float64(pos0) * freq[c]
-        bc, bsn = np.cos(a), np.sin(a)
-        for t in range(x.shape[0]):
-            co = bc * tc[t, c] - bsn * ts[t, c]
-            si = bsn * tc[t, c] + bc * ts[t, c]
+        bc[c], bsn[c] = np.cos(a), np.sin(a)
+    for t in range(x.shape[0]):  # row by row: contiguous channels
+        for c in range(h):
+            co = bc[c] * tc[t, c] - bsn[c] * ts[t, c]
+            si = bsn[c] * tc[t, c] + bc[c] * ts[t, c]
             x1, x2 = np.float64(x[t, c]), np.float64(x[t, c + h])
             x[t, c] = F32(x1 * co - x2 * si)
             x[t, c + h] = F32(x2 * co + x1 * si)
