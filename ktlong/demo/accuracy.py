@@ -133,12 +133,11 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                                       haystack=haystack)
             conv = Conversation(tok, sample.document)
             doc_ids = conv.document_ids()
-
-            def prompt(fact: tasks.Fact, conv: Any = conv) -> tuple[list[int], str]:
-                """The question's prompt ids (with the answer's lead) and the lead's text."""
-                head = fact.lead if lead else ""
-                return conv.prompt_ids(fact.question) + (
-                    tok(head, add_special_tokens=False)["input_ids"] if head else []), head
+            # per asked fact: its prompt ids (with the answer's lead) and the lead's text
+            heads = [f.lead if lead else "" for f in sample.asked]
+            prompts = [conv.prompt_ids(f.question)
+                       + (tok(h, add_special_tokens=False)["input_ids"] if h else [])
+                       for f, h in zip(sample.asked, heads, strict=True)]
 
             prefilled = {}
             for key, base in bases.items():
@@ -158,9 +157,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                 sess = Session(lm, st, store=store, tokens=doc_ids)
                 sess.policy.on_prefill_end(s0.router.captured, len(doc_ids))
                 right = 0
-                for fact in sample.asked:
-                    ids, head = prompt(fact)
-                    sess.extend_to(ids)
+                for fact, head, prompt in zip(sample.asked, heads, prompts, strict=True):
+                    sess.extend_to(prompt)
                     ids, share = [], 1.0
                     for step in sess.generate(Sampling(max_new_tokens=MAX_NEW_TOKENS,
                                                        temperature=0.0)):
@@ -176,14 +174,13 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                 del sess, store
             for name in peers:
                 t1 = time.perf_counter()
-                prompts = [prompt(f)[0] for f in sample.asked]
                 answers = _peer_answers(name, spec, prompts, threads, lm.eos_ids)
                 if isinstance(answers, str):  # llama.cpp could not run: no records, one line
                     line.append(f"{name} did not run ({answers})")
                     continue
                 right = 0
-                for fact, ids in zip(sample.asked, answers, strict=True):
-                    answer = prompt(fact)[1] + tok.decode(ids, skip_special_tokens=True)
+                for fact, head, ids in zip(sample.asked, heads, answers, strict=True):
+                    answer = head + tok.decode(ids, skip_special_tokens=True)
                     ok = tasks.is_correct(fact, answer)
                     right += ok
                     out.append(Record(n_tok, fact.kind, name, round(fact.depth, 3), ok, answer,
