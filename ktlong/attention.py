@@ -90,6 +90,7 @@ class AttentionRouter:
         self.sparse = False  # set by the engine for each forward
         self.capture = 0  # keep the last `capture` queries of each layer (for votes / anchors)
         self.captured: dict[int, torch.Tensor] = {}  # layer -> [Hq, W, d] float32 (cpu)
+        self.evictor: Any = None  # LOCRET: keeps each layer's KV to a budget (ktlong.locret)
         self._dev_layer = -1  # layer whose KV is mirrored on the device (CUDA prefill)
         self._dev_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -110,7 +111,7 @@ class AttentionRouter:
         `[Hq, L, d]` float32."""
         if self.window is not None and layer in self.window:
             return self.window.attend(layer, q.cpu(), k.cpu(), v.cpu(), scale).to(q.device)
-        layer = self.kv_index[layer]
+        model_layer, layer = layer, self.kv_index[layer]
         start = self.store.write(layer, k, v)
         if self.capture:  # only the last rows are copied: the chunk's q is the layer's biggest
             prev = self.captured.get(layer)
@@ -128,6 +129,9 @@ class AttentionRouter:
             out = self._minference(layer, q, start, scale)
         else:
             out = self._dense(layer, q, start, scale)
+        if self.evictor is not None and self.evictor.active:
+            self.evictor.after_chunk(layer, model_layer, q, k, v, start, scale, self.store)
+            self._dev_layer, self._dev_kv = -1, None  # the layer's rows moved
         self.attn_s += time.perf_counter() - t0
         return out
 

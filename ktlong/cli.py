@@ -51,7 +51,7 @@ ModelOpt = Annotated[Path | None, typer.Option(
 ProfileOpt = Annotated[str | None, typer.Option(
     "--profile", "-p", metavar="NAME|PATH", show_default=False,
     help="Settings profile: default, dense, minference, quest, snapkv, infllm, streamingllm, "
-         "kvretrieval, one in $KTLONG_HOME/profiles, or a .yaml path.")]
+         "kvretrieval, locret, one in $KTLONG_HOME/profiles, or a .yaml path.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts).")]
 ThreadsOpt = Annotated[int, typer.Option("--threads", "-t", min=0,
                                         help="CPU threads (0 = all cores).")]
@@ -553,6 +553,37 @@ def tune_prefill(model: ModelOpt = None,
     st = resolve(profile, sets, threads_num=threads).settings
     tune_main(model, prompt_file, st, _lengths(tokens, "--tokens")[0],
               budget or st.prefill_vertical + st.prefill_slash, queries, out, as_json)
+
+
+@app.command("train-heads")
+def train_heads(model: ModelOpt = None,
+                docs: Annotated[int, typer.Option(
+                    min=1, help="Training documents (each read once, asked --questions).")] = 160,
+                doc_tokens: Annotated[str, typer.Option(
+                    help="Tokens per training document (K suffix allowed).")] = "1536",
+                questions: Annotated[int, typer.Option(min=1, help="Questions per document.")]
+                = 2,
+                out: Annotated[Path | None, typer.Option(
+                    "--out", metavar="FILE", show_default=False,
+                    help="Write here instead of next to the settings (KTLONG_HOME/heads).")]
+                = None,
+                fresh: Annotated[bool, typer.Option(
+                    "--fresh", help="Start over instead of resuming a stopped run.")] = False,
+                threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
+    """Train a model's Locret retaining heads (for `attention: LOCRET`, profile locret).
+
+    The model stays frozen: it reads real text (the license texts and Python's documentation on
+    this machine), answers questions about it, and small heads learn which tokens its answers
+    attend to most. A stopped run resumes where it was.
+    """
+    from ktlong.trainheads import TrainConfig
+    from ktlong.trainheads import main as train_main
+
+    if model is None:
+        raise KtlongError("train-heads needs --model", hint="e.g. ktlong train-heads -m smollm2")
+    cfg = TrainConfig(docs=docs, doc_tokens=_lengths(doc_tokens, "--doc-tokens")[0],
+                      questions=questions)
+    train_main(model, out, cfg, fresh, threads or 0, as_json)
 
 
 # --- bench --------------------------------------------------------------------------------------

@@ -102,7 +102,9 @@ class Settings:
                           "less one", 0)
     # sparse attention
     attention: str = _f("enum", "SPARSE", "sparse attention", "SPARSE picks KV blocks per step; "
-                        "DENSE reads every token (exact)", choices=("SPARSE", "DENSE"))
+                        "DENSE reads every token (exact); LOCRET keeps locret_budget tokens of "
+                        "the document per layer and KV head (Locret: scored while it is read) "
+                        "and reads them all", choices=("SPARSE", "DENSE", "LOCRET"))
     block_size: int = _f("int", 128, "sparse attention", "Tokens per KV block, the unit of "
                          "selection", 1)
     init_len: int = _f("int", 128, "sparse attention", "First tokens always attended (sinks); "
@@ -176,6 +178,19 @@ class Settings:
     prefill_patterns: str = _f("str", "", "prefill", "MINFERENCE: pattern file of `ktlong tune "
                                "prefill`; empty = the model's tuned file if any, else every head "
                                "Vertical-Slash")
+    # Locret (attention LOCRET: a fixed KV budget for the document)
+    locret_budget: int = _f("int", 4096, "locret", "Tokens of the document kept per layer and KV "
+                            "head; the KV held stays this plus one prefill chunk, however long "
+                            "the document", 1)
+    locret_stabilisers: int = _f("int", 512, "locret", "Last tokens kept whatever their score "
+                                 "(part of locret_budget)", 0)
+    locret_scores: str = _f("enum", "HEADS", "locret", "What ranks the tokens: HEADS, the "
+                            "model's retaining heads (ktlong train-heads); ATTENTION, the largest "
+                            "attention the chunk's last queries give each token (H2O/SnapKV-"
+                            "style); RECENT, the first init_len and the newest (StreamingLLM)",
+                            choices=("HEADS", "ATTENTION", "RECENT"))
+    locret_heads: str = _f("str", "", "locret", "Retaining-heads file; empty = the model's, "
+                           "trained by `ktlong train-heads` or shipped")
     # preselection (SnapKV-style, once per question)
     preselect_block: bool = _f("bool", False, "preselection", "Preselect blocks once per "
                                "question; decode picks only among them")

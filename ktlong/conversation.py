@@ -25,6 +25,7 @@ DOC = "\u27e6ktlong:document\u27e7"
 ANSWER = "\u27e6ktlong:answer:{}\u27e7"
 _ANSWER_RE = re.compile("\u27e6ktlong:answer:(\\d+)\u27e7")
 SEP = "\n\n"  # between the document (or a /read file) and the question
+LONG_TEXT = 1 << 20  # characters past which tokenising returns its scratch memory to the OS
 
 
 @dataclass
@@ -95,7 +96,13 @@ class Conversation:
 
     def _encode(self, text: str, memo: dict[str, list[int]]) -> list[int]:
         ids = self._memo.get(text)
-        if ids is None:
+        if ids is None and len(text) > LONG_TEXT:  # a document: the tokenizer's scratch goes
+            from ktlong.memory import limit_heap_retention, trim_heap
+
+            limit_heap_retention()
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            trim_heap()
+        elif ids is None:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
         memo[text] = ids
         return ids

@@ -111,6 +111,20 @@ def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> i
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
+def _evictor(lm: LoadedModel, settings: Settings, n_layers: int,
+             inv_freq: torch.Tensor | None) -> Any:
+    """The Locret evictor of a LOCRET session (its retaining heads loaded when they score)."""
+    from ktlong import locret
+
+    if lm.spec.sliding_layers:
+        raise KtlongError("attention LOCRET does not read sliding-window models (Gemma 3) yet",
+                          hint="use the default profile for this model")
+    heads = None
+    if settings.locret_scores == "HEADS":
+        heads = locret.load_heads(locret.find_heads(lm.spec, settings), lm.spec)[0]
+    return locret.Evictor(settings, lm.spec, inv_freq, heads, n_layers)
+
+
 def tier_dir(spec: Any, settings: Settings) -> Path | None:
     """Folder of the KV disk tier's file when the tier resolves to DISK, else None."""
     if resolve_tier(spec, settings) != "DISK":
@@ -152,8 +166,9 @@ class Session:
         self.policy = SelectionPolicy(settings, spec, self.store)
         rope = getattr(lm.model.model, "rotary_emb", None)
         inv_freq = getattr(rope, "inv_freq", getattr(rope, "full_attention_inv_freq", None))
+        inv_freq = None if inv_freq is None else inv_freq.detach().double().cpu()
         if inv_freq is not None:  # [rot/2]: turned reads (positions) of the store's layers
-            self.policy.inv_freq = inv_freq.detach().double().cpu().numpy()
+            self.policy.inv_freq = inv_freq.numpy()
         if self.store.mapped:  # room for a few steps' blocks before mapped pages are released
             step = self.policy.budget_blocks() * self.store.block_bytes * shape.n_layers
             self.store.map_cap = max(self.store.map_cap, 2 * step)
@@ -165,6 +180,14 @@ class Session:
             chunk_attention = ChunkAttention(resolve_plan(spec, settings))
         self.router = AttentionRouter(self.store, self.policy, lm.device, local, chunk_attention,
                                       self.window, spec.kv_layers)
+        # LOCRET: tokens of self.tokens whose K,V the prefill did not keep; the document's length;
+        # its last tokens that sit, in order, at the end of what was kept (a cut may end there)
+        self.dropped = len(self.tokens) - self.store.length
+        self.doc_end = len(self.tokens) if self.dropped else 0
+        self.kept_tail = min(settings.locret_stabilisers, self.store.length) if self.dropped else 0
+        self.evictor = None
+        if settings.attention == "LOCRET":
+            self.evictor = self.router.evictor = _evictor(lm, settings, shape.n_layers, inv_freq)
         self._kv_slot = {li: i for i, li in enumerate(spec.kv_layers)}  # model -> store layer
         self.stats = Stats()
         self.logits: torch.Tensor | None = None  # [vocab] after the last token in the store
@@ -185,10 +208,25 @@ class Session:
             self.threads = kernels.configure_threads(n)  # Numba and torch
         self.stats.threads = self.threads
 
+    @property
+    def pos(self) -> int:
+        """Position of the next token: the tokens whose K,V the store holds."""
+        return len(self.tokens) - self.dropped
+
     # --- checks ------------------------------------------------------------------------------
     def check_fits(self, n_new: int) -> None:
-        """Refuse, before any work, a prompt the store cannot hold (never truncate silently)."""
-        check_fits(self.lm.spec, self.settings, len(self.tokens) + n_new, self.store.capacity)
+        """Refuse, before any work, a prompt the store cannot hold (never truncate silently).
+        A LOCRET document holds at most its budget and one chunk at a time."""
+        if self.evictor is not None and not self.tokens:
+            n_new = min(n_new, self.settings.locret_budget + self._chunk_len())
+        check_fits(self.lm.spec, self.settings, self.pos + n_new, self.store.capacity)
+
+    def _chunk_len(self) -> int:
+        if self.evictor is not None:
+            from ktlong.locret import chunk_len
+
+            return chunk_len(self.settings)
+        return self.settings.chunk_size or CHUNK_AUTO[self.lm.device.type == "cuda"]
 
     # --- forward -----------------------------------------------------------------------------
     def _forward(
@@ -196,11 +234,11 @@ class Session:
     ) -> torch.Tensor:
         """Chunked forward of `ids` appended after the store's tokens: chunk-major on the CPU,
         layer-major on CUDA for a prompt of several chunks."""
-        lm, st = self.lm, self.settings
+        lm = self.lm
         body = lm.model.model
         dev = lm.device
-        start, n = len(self.tokens), len(ids)
-        chunk = n if sparse and n == 1 else st.chunk_size or CHUNK_AUTO[dev.type == "cuda"]
+        start, n = self.pos, len(ids)
+        chunk = n if sparse and n == 1 else self._chunk_len()
         if n == 1 and sparse and self.decoder is not None:  # a decode step
             self.router.begin(sparse=True)
             with torch.inference_mode():  # the sliding-window rows were made in it
@@ -215,16 +253,19 @@ class Session:
         self._cos = torch.zeros(self.store.shape.n_layers, dtype=torch.float64, device=dev) \
             if n > 1 else None  # [store layers] sums over tokens
         with torch.inference_mode():
-            if dev.type == "cuda" and len(bounds) > 1:
+            if dev.type == "cuda" and len(bounds) > 1 and self.evictor is None:
                 last = self._layer_major(ids, start, bounds, progress, all_logits)
             else:
                 last = self._chunk_major(ids, start, bounds, progress, all_logits)
             logits = lm.model.lm_head(body.norm(last.to(dev))).float()  # [n or 1, vocab]
         self.tokens.extend(ids)
+        if self.evictor is not None and self.evictor.active:
+            self.dropped, self.doc_end = len(self.tokens) - self.store.length, len(self.tokens)
+            self.kept_tail = min(self.settings.locret_stabilisers, self.store.length)
         if self._cos is not None:
             self.store.add_layer_cos(self._cos.cpu().numpy(), n)
         if n > 1:
-            self.policy.on_prefill_end(self.router.captured, len(self.tokens))
+            self.policy.on_prefill_end(self.router.captured, self.pos)
         return logits
 
     def _chunk_major(self, ids: list[int], start: int, bounds: list[tuple[int, int]],
@@ -236,7 +277,8 @@ class Session:
         outs = []
         for c0, c1 in bounds:
             h = body.embed_tokens(torch.tensor(ids[c0:c1], device=dev)).unsqueeze(0)  # [1, C, hid]
-            pos = torch.arange(start + c0, start + c1, device=dev).unsqueeze(0)
+            p0 = self.store.length if self.evictor is not None else start + c0  # after evictions
+            pos = torch.arange(p0, p0 + c1 - c0, device=dev).unsqueeze(0)
             embs = position_embeddings(body, h, pos)  # per layer ([1, C, d], [1, C, d])
             for li, layer in enumerate(body.layers):
                 h_in, h = h, layer(h, position_embeddings=embs[li], position_ids=pos,
@@ -295,9 +337,15 @@ class Session:
         self.check_fits(len(ids))
         self._set_threads()
         t0, c0 = time.perf_counter(), compile_seconds()
-        sparse = bool(self.tokens) and self.policy.sparse_for(len(self.tokens) + len(ids))
+        sparse = bool(self.tokens) and self.policy.sparse_for(self.pos + len(ids))
         first = not self.tokens
-        logits = self._forward(ids, progress, sparse=sparse, all_logits=all_logits)
+        if self.evictor is not None:  # the document is read within the budget; turns append
+            self.evictor.active = first
+        try:
+            logits = self._forward(ids, progress, sparse=sparse, all_logits=all_logits)
+        finally:
+            if self.evictor is not None:
+                self.evictor.active = False
         if first and self.window is not None:  # the document: a point to cut back to
             self.window.pin(len(self.tokens))
         dt = max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))  # compiling: no work
@@ -347,7 +395,8 @@ class Session:
         from ktlong import shift
 
         # a sliding-window layer keeps no rows to move: such a model re-reads what follows
-        plan = None if self.window is not None else shift.plan(self.tokens, ids, min_reuse)
+        plan = None if self.window is not None or self.evictor is not None \
+            else shift.plan(self.tokens, ids, min_reuse)
         base = self.store.nb_base * self.store.shape.block_size
         if plan is None:
             keep = self.common_prefix(ids)
@@ -387,7 +436,7 @@ class Session:
             text = text if full.endswith("\ufffd") else full
             done = token in self.lm.eos_ids or i + 1 == sampling.max_new_tokens
             if not done:
-                if make_room is not None and len(self.tokens) + 1 > self.store.capacity:
+                if make_room is not None and self.pos + 1 > self.store.capacity:
                     make_room(sampling.max_new_tokens - i - 1)
                 self.check_fits(1)
                 self.logits = self._forward([token], None, sparse=True)[-1]
@@ -406,7 +455,15 @@ class Session:
             raise ValueError("cannot truncate forward")
         if self.window is not None:
             self.window.truncate(n_tokens)  # ValueError (nothing cut) when its rows are gone
-        self.store.truncate(n_tokens)
+        if self.dropped and n_tokens < self.doc_end:
+            if n_tokens < self.doc_end - self.kept_tail:  # into the evicted part: read it again
+                n_tokens, self.dropped, self.doc_end, self.kept_tail = 0, 0, 0, 0
+            else:  # into the document's last tokens, kept in order
+                self.kept_tail -= self.doc_end - n_tokens
+                self.doc_end = n_tokens
+        if self.evictor is not None and n_tokens == 0:
+            self.evictor.reset()
+        self.store.truncate(n_tokens - self.dropped)
         del self.tokens[n_tokens:]
-        self.policy.truncate(n_tokens)
+        self.policy.truncate(n_tokens - self.dropped)
         self.logits = None

@@ -449,6 +449,15 @@ class KVStore:
             self._huge[layer] = True
         return start
 
+    def rewrite(self, layer: int, k: torch.Tensor, v_rows: np.ndarray) -> None:
+        """Replace `layer`'s tokens by k `[Hkv, n, d]` float32 and v rows already in the storage
+        format (a Locret eviction); its anchors are taken again when the blocks are."""
+        if self.nb_base:
+            raise ValueError("cannot rewrite a store with a read-only base segment")
+        self.lengths[layer] = 0
+        self.n_anchored[layer] = 0
+        self.write_rows(layer, to_storage(k, self.shape.kv_type), v_rows)
+
     def truncate(self, n_tokens: int) -> None:
         """Forget every token from `n_tokens` on (the base segment cannot be cut)."""
         bs = self.shape.block_size

@@ -143,7 +143,8 @@ def resident_bytes(spec: Any, kv_type: str, tokens: int, settings: Any = _DEFAUL
     """Disk tier: the KV one decode step reads, which the page cache keeps in DRAM."""
     n_layers = kv_layer_count(spec)
     per_layer = kv_bytes_per_token(spec, kv_type) // n_layers
-    dense = n_layers if settings.attention == "DENSE" else min(settings.dense_layer_num, n_layers)
+    dense = n_layers if settings.attention in ("DENSE", "LOCRET") \
+        else min(settings.dense_layer_num, n_layers)
     window = min(tokens, step_tokens(settings))
     return per_layer * (dense * tokens + (n_layers - dense) * window)
 
@@ -439,6 +440,13 @@ def lengths_of(spec: Any) -> list[tuple[str, int]]:
              else label, n) for label, n in lengths]
 
 
+def locret_rows(settings: Any) -> int:
+    """KV rows per layer attention LOCRET holds while it reads a document of any length."""
+    from ktlong.locret import chunk_len
+
+    return settings.locret_budget + chunk_len(settings)
+
+
 def length_rows(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None,
                 free_disk: int | None = None, settings: Any = _DEFAULTS) -> list[Row]:
     """One row per standard length plus the model's own max positions, for one kv_type."""
@@ -446,14 +454,16 @@ def length_rows(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None,
     in_dram = free_gpu is None  # a GPU holds the weights
     trained = trained_context(spec)
     rows = []
+    held = locret_rows(settings) if settings.attention == "LOCRET" else None
     for label, n in lengths_of(spec):
-        need = dram_need(spec, kv_type, n, weights_in_dram=in_dram)
+        n_kv = n if held is None else min(n, held)  # LOCRET: the budget, however long
+        need = dram_need(spec, kv_type, n_kv, weights_in_dram=in_dram)
         tier_dram = disk_tier_dram(spec, kv_type, n, settings, weights_in_dram=in_dram)
         disk = disk_need(spec, kv_type, n, settings)
         fits_disk = None if free_disk is None else (tier_dram <= free_dram
                                                     and disk <= free_disk - DISK_RESERVE)
         g = gpu_need(spec, kv_type, n) if free_gpu is not None else None
-        rows.append(Row(label, n, kv_type, kv_bytes_per_token(spec, kv_type) * n, need,
+        rows.append(Row(label, n, kv_type, kv_bytes_per_token(spec, kv_type) * n_kv, need,
                         need <= free_dram, tier_dram, disk, fits_disk,
                         g, None if g is None or free_gpu is None else g <= free_gpu,
                         0 < trained < n))
@@ -518,6 +528,9 @@ def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
         "longest_in_dram": max(v["RAM"] for v in longest_by_type.values()),
         "longest_with_disk": None if free_disk is None else max(
             max(v["RAM"], v["DISK"] or 0) for v in longest_by_type.values()),
+        "locret": {"rows": locret_rows(settings), "budget": settings.locret_budget,
+                   "kv_bytes": {t: kv_bytes_per_token(spec, t) * locret_rows(settings)
+                                for t in types}},
         "recommended": asdict(choice),
         "recommended_max_seq_len": choice.max_seq_len,
     }
@@ -538,6 +551,19 @@ def gb(n: int | float) -> str:
 
 
 HEAP_MMAP_THRESHOLD = 1 << 20  # freed blocks this big go back to the OS at once
+
+
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the OS now (glibc's malloc_trim), e.g. after a long
+    document was tokenised: the tokenizer's scratch would otherwise stay in RSS. No-op off glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 @functools.cache

@@ -24,6 +24,7 @@ def run(
     as_json: bool = False,
 ) -> dict[str, Any]:
     from ktlong import chatui, render
+    from ktlong.bench.rss import peak_rss
     from ktlong.conversation import Conversation
     from ktlong.documents import read_document
     from ktlong.model import load_model
@@ -40,8 +41,10 @@ def run(
     with ui.loading(model):
         lm = load_model(model, settings.device, weight_type=settings.weight_type)
     ids = Conversation(lm.tokenizer, doc.text, system).document_ids()
+    peak_rss(reset=True)  # from here: what reading the document takes
     with ui.progress("prefilling") as progress:
         opened = open_document(lm, settings, ids, progress, True, cache_dir)
+    peak = peak_rss()
     if opened.entry is None:
         raise KtlongError(f"the prompt cache could not be written: {opened.note}")
     st = opened.session.stats
@@ -52,6 +55,8 @@ def run(
         "source": opened.source,
         "prefill_s": st.prefill_s,
         "prefill_tok_s": st.prefill_tok_s,
+        "peak_rss_bytes": peak,  # of the process while the document was read (or mapped)
+        "kv_bytes": opened.session.store.nbytes_used(),
         "note": opened.note,
     }
     if as_json:
@@ -64,6 +69,7 @@ def run(
         )
         render.console(stderr=True).print(
             f"{doc.name}: {len(ids):,} tokens {how}\n"
-            f"cache entry: {opened.entry} ({result['bytes'] / 1e9:.2f} GB)"
+            f"cache entry: {opened.entry} ({result['bytes'] / 1e9:.2f} GB); peak RSS while "
+            f"reading {peak / 1e9:.2f} GB"
         )
     return result

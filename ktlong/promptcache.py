@@ -93,8 +93,23 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "shape": [len(spec.kv_layers), spec.n_kv_heads, spec.head_dim],  # the store's layers
     }
     key.update(prefill_key(spec, settings))  # a windowed or sparse prefill makes other KV
+    if settings.attention == "LOCRET":  # what was kept
+        key["locret"] = locret_key(spec, settings)
     if bf16_prefill(spec.hidden_size, settings.prefill_matmul):  # BF16 products: other KV
         key["prefill_matmul"] = "BF16"
+    return key
+
+
+def locret_key(spec: ModelSpec, s: Settings) -> dict[str, Any]:
+    """What decides the tokens a LOCRET prefill keeps."""
+    from ktlong import locret
+
+    key: dict[str, Any] = {"budget": s.locret_budget, "stabilisers": s.locret_stabilisers,
+                           "scores": s.locret_scores, "chunk": locret.chunk_len(s)}
+    if s.locret_scores == "HEADS":
+        key["heads"] = hashlib.sha256(locret.find_heads(spec, s).read_bytes()).hexdigest()[:16]
+    if s.locret_scores == "RECENT":
+        key["init_len"] = s.init_len
     return key
 
 
@@ -209,10 +224,12 @@ def map_entry(
     L, H, d = c["shape"]
     dtype = np.dtype(KV_TYPES[c["kv_type"]][0])
     row = row_elems(c["kv_type"], d)
-    nb, bs, n, rem = header["n_blocks"], c["block_size"], header["n_tokens"], header["remainder"]
+    nb, bs, rem = header["n_blocks"], c["block_size"], header["remainder"]
+    n_ids = header["n_tokens"]
+    n = header.get("rows", n_ids)  # KV rows
     sz = _layout(header)
-    ids = np.memmap(path, np.int32, "r", offset, (n,)).tolist() if n else []
-    o = offset + _align(n * 4)
+    ids = np.memmap(path, np.int32, "r", offset, (n_ids,)).tolist() if n_ids else []
+    o = offset + _align(n_ids * 4)
     n_base = (n - 1) // bs if n else 0  # mapped blocks; >= 1 token stays writable for re-feeding
     ks, vs, anchors, tails = [], [], [], []
     for _ in range(L):
@@ -276,12 +293,13 @@ def write_entry(
     path: Path, session: Session, content: dict[str, Any], extra: dict[str, Any]
 ) -> Path:
     """Write the session's store to `path` atomically (temp name, fsync, rename)."""
-    store, n = session.store, len(session.tokens)
+    store, n = session.store, session.store.length
     bs = store.shape.block_size
     n_full, rem = n // bs, n % bs
     header = {
         "content": content,
-        "n_tokens": n,
+        "n_tokens": len(session.tokens),
+        "rows": n,  # KV rows: fewer than the tokens where a LOCRET prefill dropped some
         "n_blocks": n_full,
         "remainder": rem,
         "anchor_num": store.shape.anchor_num,
@@ -517,7 +535,12 @@ def open_document(
     with no entry, prefills and stores the result. A damaged or stale entry is reported in
     `Opened.note`, removed and recomputed. A failed write (disk full) costs the cache, not the chat.
     """
-    check_fits(lm.spec, settings, len(ids))
+    n = len(ids)
+    if settings.attention == "LOCRET":  # read within its budget, a chunk at a time
+        from ktlong import locret
+
+        n = min(n, settings.locret_budget + locret.chunk_len(settings))
+    check_fits(lm.spec, settings, n)
     if not use_cache:
         session = Session(lm, settings)
         session.prefill(ids, progress)

@@ -68,7 +68,7 @@ def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None)
                                              else ()), *(("past\ntrained",) if past else ())):
         table.add_column(col, justify="left" if col in ("context", "KV", "fits", "past\ntrained")
                          else "right")
-    dense = r["attention"] == "DENSE"
+    dense, locret = r["attention"] == "DENSE", r["attention"] == "LOCRET"
     last = None
     for row in r["rows"]:
         label = row["label"].replace(" (model max)", "*").replace("model max", "model max*")
@@ -76,7 +76,8 @@ def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None)
         last = row["tokens"]
         gpu_cells = () if gpu is None else (memory.gb(row["gpu_need"]), _yes(row["fits_gpu"]))
         past_cell = () if not past else (
-            ("[red]unseen[/]" if dense else "[yellow]blocks[/]") if row["past_trained"] else "",)
+            ("[red]unseen[/]" if dense else "[yellow]kept[/]" if locret else "[yellow]blocks[/]")
+            if row["past_trained"] else "",)
         table.add_row(label if first else "", f"{row['tokens']:,}" if first else "",
                       row["kv_type"], memory.size(row["kv_bytes"]), memory.size(row["dram_need"]),
                       memory.size(row["disk_tier_dram"]), memory.size(row["disk_need"]),
@@ -90,8 +91,16 @@ def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None)
         out.print(f"past trained: longer than the model's trained context "
                   f"({r['trained_context']:,} tokens); "
                   + ("attention DENSE reads it from distances the model was never trained on."
-                     if dense else "read with blocks: a decode step reads "
+                     if dense else "LOCRET keeps its budget of it, placed within it."
+                     if locret else "read with blocks: a decode step reads "
                      f"{r['step_tokens']:,} tokens, none from further, whatever the length."))
+    loc = r["locret"]
+    out.print(("attention LOCRET" if r["attention"] == "LOCRET" else
+               "with attention LOCRET (profile locret)") + f": the KV holds {loc['budget']:,} "
+              f"tokens of the document + one {loc['rows'] - loc['budget']:,}-token chunk per "
+              "layer, whatever its length (" + ", ".join(
+                  f"{t} {memory.size(loc['kv_bytes'][t])}" for t in types)
+              + "); what it does not keep is gone.")
     lab = memory.tokens_label
     out.print("longest context in free RAM: " + ", ".join(
         f"{t} {lab(r['longest'][t]['RAM'])}" for t in types))

@@ -74,7 +74,7 @@ class SelectionPolicy:
         s = settings
         self.s, self.store = s, store
         self.bs = s.block_size
-        self.dense = s.attention == "DENSE"
+        self.dense = s.attention in ("DENSE", "LOCRET")  # LOCRET reads every token it kept
         self.n_init = s.init_len // self.bs
         self.shared = s.head_select_mode == "SHARED"
         self.n_kv = spec.n_kv_heads

@@ -25,13 +25,15 @@ INTERNALS_DEFAULTS = dict(
     question_blocks=8, question_window=16, question_layers=4, question_positions="NEAR",
     block_positions="COMPACT", score_positions="NEAR", select_neighbours=False, spread_blocks=0,
     token_step=1, layer_step=1, layer_budget="UNIFORM", squeeze_ratio=0.5,
+    locret_budget=4096, locret_stabilisers=512, locret_scores="HEADS", locret_heads="",
     preselect_block=False, preselect_block_count=96,
     preselect_window=64, preselect_pool=7, gpu_local_window=True, prefill="WINDOW",
     prefill_window=12288, prefill_vertical=1024, prefill_slash=2048, prefill_patterns="",
     max_new_tokens=512,
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
 PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval",
-            "small", "ktransformers", "recall", "minference", "squeeze")
+            "small", "ktransformers", "recall", "minference", "squeeze", "locret",
+            "locret-attention", "locret-recent")
 
 
 def write_config(home: Path, text: str) -> Path:

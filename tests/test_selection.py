@@ -128,6 +128,10 @@ SCALED = {  # each profile's method keys, at sizes a 1.5K-token test prompt exer
     "small": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
     "minference": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
     "squeeze": dict(block_size=16, init_len=16, local_windows_len=64, second_select_num=8),
+    # LOCRET keeps a budget and reads all of it; the heads' scoring is tests/test_locret.py's
+    "locret": dict(locret_budget=256, locret_stabilisers=32, locret_scores="ATTENTION"),
+    "locret-attention": dict(locret_budget=256, locret_stabilisers=32),
+    "locret-recent": dict(locret_budget=256, locret_stabilisers=32),
 }
 
 
@@ -146,7 +150,9 @@ def test_profile_runs_end_to_end(profile):
     steps = list(s.generate(Sampling(max_new_tokens=6)))
     assert 1 <= len(steps) <= 6
     share = steps[-1].stats.attended_share
-    if profile == "dense":
+    if st.attention == "LOCRET":  # every kept token, and no more than the budget kept
+        assert share == 1.0 and s.dropped == 1500 - 256 and s.store.length <= 256 + 6
+    elif profile == "dense":
         assert share == 1.0
     else:
         assert 0 < share < 1.0, f"{profile} read every block"

@@ -122,6 +122,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                for p in profiles}  # each profile's budget fitted to the model's trained context
         bases = {}  # prefill key -> the dense settings that prefill the document that way
         for st in per.values():
+            if st.attention == "LOCRET":  # reads the document itself, keeping its budget
+                continue
             key = _prefill_key(st)
             if key not in bases:
                 over = {**common, **{k: getattr(st, k) for k in PREFILL_KEYS}}
@@ -147,15 +149,19 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
             prefill_s = time.perf_counter() - t0
             line = []
             for name, st in per.items():
-                s0 = prefilled[_prefill_key(st)]
-                # the layers the prefill's store holds (Gemma 3: its global ones)
-                shape = StoreShape(s0.store.shape.n_layers, spec.n_kv_heads, spec.head_dim,
-                                   st.block_size, st.kv_type, st.anchor_num)
-                store = _copy_store(s0.store, shape, len(doc_ids), cap)
-                if s0.window is not None:  # the sliding-window layers' last rows (Gemma 3)
-                    store.window_rows = s0.window.state(len(doc_ids))
-                sess = Session(lm, st, store=store, tokens=doc_ids)
-                sess.policy.on_prefill_end(s0.router.captured, len(doc_ids))
+                if st.attention == "LOCRET":
+                    sess = Session(lm, st)
+                    sess.prefill(doc_ids)
+                else:
+                    s0 = prefilled[_prefill_key(st)]
+                    # the layers the prefill's store holds (Gemma 3: its global ones)
+                    shape = StoreShape(s0.store.shape.n_layers, spec.n_kv_heads, spec.head_dim,
+                                       st.block_size, st.kv_type, st.anchor_num)
+                    store = _copy_store(s0.store, shape, len(doc_ids), cap)
+                    if s0.window is not None:  # the sliding-window layers' last rows (Gemma 3)
+                        store.window_rows = s0.window.state(len(doc_ids))
+                    sess = Session(lm, st, store=store, tokens=doc_ids)
+                    sess.policy.on_prefill_end(s0.router.captured, len(doc_ids))
                 right = 0
                 for fact, head, prompt in zip(sample.asked, heads, prompts, strict=True):
                     sess.extend_to(prompt)
@@ -171,7 +177,7 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                     out.append(Record(n_tok, fact.kind, name, round(fact.depth, 3), ok, answer,
                                       round(share, 4)))
                 line.append(f"{name} {right}/{len(sample.asked)}")
-                del sess, store
+                del sess
             for name in peers:
                 t1 = time.perf_counter()
                 answers = _peer_answers(name, spec, prompts, threads, lm.eos_ids)

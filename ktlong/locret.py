@@ -1,0 +1,289 @@
+"""Locret: retaining heads score each token's KV, and a prefill keeps only a fixed budget of it.
+
+A retaining head is a small FFN per layer, `score = silu(x W1) W2`, on one token's features
+`x = [q, k, v]` (every query head, every KV head; q and k turned back to position 0, so the
+score carries no position; `features`). It predicts the token's causal importance per KV head:
+the largest scaled logit `q.k / sqrt(d)` any later query of the same GQA group gives it
+(`cis_labels`; trained by `ktlong.trainheads`).
+
+`Evictor` runs inside a LOCRET prefill: after each chunk of the document goes through a layer,
+the chunk's rows are scored (by the heads, or by a baseline: the chunk's own last queries as
+H2O/SnapKV do, or recency as StreamingLLM does), the last `locret_stabilisers` rows are kept
+whatever their score, and each KV head keeps its `locret_budget` best rows. The kept rows are
+rewritten in document order at positions 0..budget-1 (keys re-rotated from a float32 copy turned
+back to position 0, so no rounding accumulates), so every distance a query reads stays within
+budget + chunk: a model reads a document of any length without a distance it was not trained on,
+and the KV held stays budget + chunk rows per layer, however long the document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ktlong.errors import KtlongError
+
+HEADS_FORMAT = 1
+HIDDEN = 64  # a head's hidden width
+SCORERS = ("HEADS", "ATTENTION", "RECENT")
+OBSERVE = 32  # ATTENTION: the chunk's last queries that score the rows
+
+
+# --- RoPE: keys to position 0 and back ----------------------------------------------------------
+def _angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[n, rot]` float32 for positions `[n]` (float64 angles; halves layout)."""
+    ang = positions.double()[:, None] * inv_freq.double()[None]  # [n, rot/2]
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def rotate(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x `[H, n, d]` rotated by `positions` `[n]` (negative: turned back); a float32 copy.
+    Llama's rotate_half layout; channels past 2 * len(inv_freq) (partial rotary) stay."""
+    rot = 2 * inv_freq.shape[0]
+    cos, sin = _angles(inv_freq, positions)
+    out = x.float().clone()
+    a = out[..., :rot]
+    half = torch.cat([-a[..., rot // 2 :], a[..., : rot // 2]], -1)
+    out[..., :rot] = a * cos + half * sin
+    return out
+
+
+# --- features and labels ----------------------------------------------------------------------
+def features(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int,
+             inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """q `[Hq, n, d]`, k, v `[Hkv, n, d]` post-RoPE of tokens at pos0.. -> `[n, F]` float32,
+    F = (Hq + 2 Hkv) d: q and k turned back to position 0, each part scaled to unit RMS."""
+    if inv_freq is not None:
+        back = -torch.arange(pos0, pos0 + q.shape[1], dtype=torch.float64)
+        q, k = rotate(q, inv_freq, back), rotate(k, inv_freq, back)
+    parts = []
+    for t in (q, k, v):
+        t = t.float().transpose(0, 1).reshape(q.shape[1], -1)  # [n, H d]
+        parts.append(t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
+    return torch.cat(parts, -1)
+
+
+def cis_labels(q: torch.Tensor, k: torch.Tensor, n_prompt: int, scale: float) -> torch.Tensor:
+    """Causal importance of the prompt's KV: q `[Hq, n, d]`, k `[Hkv, n, d]` post-RoPE over
+    prompt + answer -> `[Hkv, n_prompt]`, the largest `scale * q.k` that an answer query
+    (positions n_prompt..n-1) of the KV head's group gives each prompt token."""
+    hq, hkv = q.shape[0], k.shape[0]
+    qa = q[:, n_prompt:].float().reshape(hkv, hq // hkv * (q.shape[1] - n_prompt), -1)
+    logits = torch.einsum("gad,gkd->gak", qa, k[:, :n_prompt].float()) * scale
+    return logits.amax(1)  # [Hkv, n_prompt]
+
+
+# --- the heads ----------------------------------------------------------------------------------
+class RetainingHeads(torch.nn.Module):
+    """One FFN per layer: features `[n, F]` -> scores `[n, Hkv]`."""
+
+    def __init__(self, n_layers: int, n_in: int, n_kv_heads: int, hidden: int = HIDDEN,
+                 seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w1 = torch.nn.Parameter(torch.randn(n_layers, n_in, hidden, generator=g)
+                                     * n_in ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(n_layers, hidden, n_kv_heads, generator=g)
+                                     * hidden ** -0.5)
+        self.b2 = torch.nn.Parameter(torch.zeros(n_layers, n_kv_heads))
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x @ self.w1[layer]) @ self.w2[layer] + self.b2[layer]
+
+
+def head_loss(pred: torch.Tensor, label: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Smooth-L1 to the labels plus `alpha` x the squared step between neighbours' scores
+    (pred, label `[n, Hkv]`)."""
+    fit = torch.nn.functional.smooth_l1_loss(pred, label)
+    return fit + alpha * (pred[1:] - pred[:-1]).pow(2).mean()
+
+
+# --- the heads file -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadsMeta:
+    fingerprint: str  # the model's (ModelSpec.fingerprint)
+    model: str  # its name, for messages
+    n_layers: int
+    n_in: int
+    n_kv_heads: int
+    hidden: int
+    steps: int = 0
+    examples: int = 0
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_heads(path: Path, heads: RetainingHeads, meta: HeadsMeta) -> None:
+    """Write the heads (float16) with the model's identity and a checksum, atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {n: p.detach().to(torch.float16).contiguous() for n, p in heads.named_parameters()}
+    info = {k: str(v) for k, v in meta.__dict__.items()}
+    info.update(format=str(HEADS_FORMAT), sha256=_digest(tensors))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=info)
+    tmp.replace(path)
+
+
+def load_heads(path: Path, spec: Any) -> tuple[RetainingHeads, HeadsMeta]:
+    """The heads in `path` for the model `spec`; one clear line if they are damaged or were
+    trained for another model."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            info = f.metadata() or {}
+            tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    except Exception as e:
+        raise KtlongError(f"{path}: not a retaining-heads file ({e})",
+                          hint="train them again with `ktlong train-heads`") from None
+    if info.get("format") != str(HEADS_FORMAT) or info.get("sha256") != _digest(tensors):
+        raise KtlongError(f"{path}: the retaining heads are damaged (checksum mismatch)",
+                          hint="train them again with `ktlong train-heads`")
+    meta = HeadsMeta(info["fingerprint"], info["model"], *(int(info[k]) for k in (
+        "n_layers", "n_in", "n_kv_heads", "hidden", "steps", "examples")))
+    if meta.fingerprint != spec.fingerprint:
+        raise KtlongError(f"{path}: these retaining heads were trained for {meta.model}, "
+                          f"not for {Path(spec.path).name}",
+                          hint=f"run `ktlong train-heads --model {spec.path}`")
+    heads = RetainingHeads(meta.n_layers, meta.n_in, meta.n_kv_heads, meta.hidden)
+    with torch.no_grad():
+        for n, p in heads.named_parameters():
+            p.copy_(tensors[n].float())
+    return heads.eval(), meta
+
+
+def heads_dir() -> Path:
+    from ktlong.config import ktlong_home
+
+    return ktlong_home() / "heads"
+
+
+def heads_path(spec: Any) -> Path:
+    """Where `ktlong train-heads` saves a model's heads (next to the config)."""
+    return heads_dir() / f"{spec.fingerprint[:16]}.safetensors"
+
+
+def shipped_path(spec: Any) -> Path:
+    return Path(__file__).parent / "heads" / f"{spec.fingerprint[:16]}.safetensors"
+
+
+def find_heads(spec: Any, settings: Any) -> Path:
+    """The heads file a LOCRET session uses: `locret_heads`, else the user's, else shipped."""
+    if settings.locret_heads:
+        p = Path(settings.locret_heads).expanduser()
+        if not p.is_file():
+            raise KtlongError(f"locret_heads: no file {p}",
+                              hint="point it at a file `ktlong train-heads` wrote")
+        return p
+    for p in (heads_path(spec), shipped_path(spec)):
+        if p.is_file():
+            return p
+    raise KtlongError(f"no retaining heads for {Path(spec.path).name} (attention LOCRET "
+                      "scores the KV with them)",
+                      hint=f"run `ktlong train-heads --model {spec.path}` first")
+
+
+def chunk_len(settings: Any) -> int:
+    """A LOCRET prefill's chunk: the CPU's on every device, so the kept tokens do not depend
+    on where the model runs."""
+    from ktlong.config import CHUNK_AUTO
+
+    return settings.chunk_size or CHUNK_AUTO[False]
+
+
+# --- eviction during a prefill ------------------------------------------------------------------
+class Evictor:
+    """Keeps each layer's KV to `locret_budget` rows during a document's prefill (see the module
+    docstring). Per store layer: `k0` `[Hkv, m, d]` the kept keys turned back to position 0
+    (float32), `scores` `[Hkv, m]` their scores; the store holds the same m rows."""
+
+    def __init__(self, settings: Any, spec: Any, inv_freq: torch.Tensor | None,
+                 heads: RetainingHeads | None, n_layers: int) -> None:
+        self.budget, self.stab = settings.locret_budget, settings.locret_stabilisers
+        self.scorer, self.init_len = settings.locret_scores, settings.init_len
+        self.inv_freq, self.heads = inv_freq, heads
+        self.active = False  # set by the session while a document is read
+        self.k0: list[torch.Tensor | None] = [None] * n_layers
+        self.scores: list[torch.Tensor | None] = [None] * n_layers
+        self.index: list[torch.Tensor | None] = [None] * n_layers  # [Hkv, m] the rows' tokens
+        self.evicted = 0  # rows dropped per layer and head since reset()
+
+    def reset(self) -> None:
+        n = len(self.k0)
+        self.k0, self.scores, self.index = [None] * n, [None] * n, [None] * n
+        self.evicted = 0
+
+    def _turned_back(self, k: torch.Tensor, pos0: int) -> torch.Tensor:
+        if self.inv_freq is None:
+            return k.float().clone()
+        return rotate(k, self.inv_freq, -torch.arange(pos0, pos0 + k.shape[1],
+                                                       dtype=torch.float64))
+
+    def _score(self, slot: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start: int, scale: float, store: Any) -> torch.Tensor:
+        """Scores `[Hkv, C]` of the chunk's rows; ATTENTION also raises the kept rows' scores."""
+        hkv, n = k.shape[0], k.shape[1]
+        if self.scorer == "HEADS":
+            with torch.no_grad():
+                x = features(q.cpu(), k.cpu(), v.cpu(), start, self.inv_freq)
+                return self.heads(slot, x).T.float()  # [Hkv, C]
+        if self.scorer == "RECENT":  # newer rows score higher; the document's first rows stay
+            s = torch.arange(start, start + n, dtype=torch.float32).expand(hkv, n).clone()
+            s[:, : max(0, self.init_len - start)] = float("inf")
+            return s
+        # ATTENTION: the chunk's last queries' largest logit to every row (kept and new)
+        w = min(OBSERVE, n)
+        kk, _ = store.token_range(slot, 0, start + n)  # [Hkv, m + C, d]
+        qo = q[:, -w:].float().cpu().reshape(hkv, -1, w, q.shape[-1])  # [Hkv, g, W, d]
+        logit = torch.einsum("hgwd,hkd->hgwk", qo, kk) * scale
+        qpos = torch.arange(start + n - w, start + n)
+        logit.masked_fill_(torch.arange(start + n)[None] > qpos[:, None], float("-inf"))
+        s = logit.amax((1, 2))  # [Hkv, m + C]
+        old = self.scores[slot]
+        if old is not None:
+            self.scores[slot] = torch.maximum(old, s[:, :start])
+        return s[:, start:]
+
+    def after_chunk(self, slot: int, layer: int, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, start: int, scale: float, store: Any) -> None:
+        """The chunk's k, v `[Hkv, C, d]` (at positions start..) were written to store layer
+        `slot` (model layer `layer`) and attended: score them, then keep the budget."""
+        s_new = self._score(slot, layer, q, k, v, start, scale, store)
+        k0_new = self._turned_back(k.cpu(), start)
+        old_k0, old_s, old_i = self.k0[slot], self.scores[slot], self.index[slot]
+        k0 = k0_new if old_k0 is None else torch.cat([old_k0, k0_new], 1)  # [Hkv, M, d]
+        s = s_new if old_s is None else torch.cat([old_s, s_new], 1)  # [Hkv, M]
+        first = 0 if old_i is None else int(old_i[0, -1]) + 1  # the chunk's first token
+        i_new = torch.arange(first, first + k.shape[1]).expand(k.shape[0], -1)
+        idx = i_new if old_i is None else torch.cat([old_i, i_new], 1)  # [Hkv, M]
+        m = k0.shape[1]
+        if m <= self.budget:
+            self.k0[slot], self.scores[slot], self.index[slot] = k0, s, idx
+            return
+        pick = s.clone()
+        pick[:, max(0, m - self.stab):] = float("inf")  # the stabilisers
+        keep = torch.topk(pick, self.budget, dim=1).indices.sort(dim=1).values  # [Hkv, b]
+        k0 = torch.gather(k0, 1, keep[..., None].expand(-1, -1, k0.shape[-1]))
+        self.k0[slot], self.scores[slot] = k0, torch.gather(s, 1, keep)
+        self.index[slot] = torch.gather(idx, 1, keep)
+        _, v_rows = store.row_range(slot, 0, m)  # [Hkv, M, row] storage
+        v_rows = np.take_along_axis(v_rows, keep.numpy()[..., None], axis=1)
+        k_new = k0 if self.inv_freq is None else rotate(
+            k0, self.inv_freq, torch.arange(self.budget, dtype=torch.float64))
+        store.rewrite(slot, k_new, v_rows)
+        self.evicted += m - self.budget
+
