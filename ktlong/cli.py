@@ -989,6 +989,15 @@ def bench_serve(tokens: Annotated[str, typer.Option(
     bench.main(n, st, model, as_json, command)
 
 
+@bench_app.command("cuda")
+def bench_cuda(threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
+    """The GPU paths against the CPU on tiny random models: the same greedy tokens, K, V and
+    logits for every way of reading; prefill tok/s, peak GPU memory and decode tok/s."""
+    from ktlong.bench import cuda
+
+    cuda.main(as_json, threads or 0)
+
+
 @bench_app.command("agree")
 def bench_agree(model: ModelOpt = None,
                 docs: Annotated[str, typer.Option(

@@ -1,0 +1,151 @@
+"""`ktlong bench cuda`: the GPU paths against the CPU, on tiny random models (no downloads).
+
+For each architecture and each way of reading (dense; block-sparse with its defaults; NEAR
+scoring with COMPACT reads and question blocks; WINDOW and MINFERENCE prefills; LOCRET), the same
+prompt is prefilled and answered greedily on the CPU and on CUDA, with the local window on the
+GPU and without: the answers must be the same tokens, and the report gives the largest
+difference of the last logits and of the stored K, V. Then prefill tok/s and peak GPU memory at
+two lengths on a wider model (4 layers, hidden 1024), and decode tok/s with and without the GPU
+local window, against the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ktlong.config import Settings
+from ktlong.errors import KtlongError
+
+# tiny models read everything at these sizes: blocks of 16, a 64-token window, 256-token chunks
+TINY = dict(kv_type="FP32", block_size=16, init_len=16, local_windows_len=64,
+            second_select_num=8, chunk_size=256, max_seq_len=8192, preselect_block_count=16,
+            question_blocks=0, block_positions="AS_IS", score_positions="AS_IS")
+CASES: dict[str, dict[str, Any]] = {
+    "dense": dict(attention="DENSE", prefill="DENSE"),
+    "sparse": {},
+    "near-compact": dict(score_positions="NEAR", block_positions="COMPACT", question_blocks=2),
+    "prefill-window": dict(prefill="WINDOW", prefill_window=512),
+    "prefill-minference": dict(prefill="MINFERENCE"),
+    "locret": dict(attention="LOCRET", prefill="DENSE", locret_scores="ATTENTION",
+                   locret_budget=512, locret_stabilisers=64),
+}
+ARCHS = ("llama", "qwen3", "gemma3_text")
+
+
+def _model(root: Path, arch: str) -> Path:
+    from ktlong.tinymodel import make_model
+
+    kw: dict[str, Any] = {}
+    if arch == "gemma3_text":  # a global layer every sixth: six layers, a 128-token window
+        kw = dict(layers=6, hidden=64, heads=4, kv_heads=2, sliding_window=128)
+    return make_model(root / arch, arch, seed=1, qk_scale=2.0, **kw)
+
+
+def _run(path: Path, device: str, ids: list[int], st: Settings, n_new: int) -> dict[str, Any]:
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+
+    lm = load_model(path, device=device, dtype="float32")
+    s = Session(lm, st)
+    logits = s.prefill(ids)[-1].float().cpu()
+    toks = [x.token_id for x in s.generate(Sampling(max_new_tokens=n_new))]
+    kv = [s.store.token_range(layer, 0, s.store.length) for layer in
+          range(s.store.shape.n_layers)]
+    return {"logits": logits, "tokens": toks, "kv": kv,
+            "local": s.router.local is not None}
+
+
+def agree(archs: tuple[str, ...] = ARCHS, cases: tuple[str, ...] = tuple(CASES),
+          n_tokens: int = 3000, n_new: int = 24, gpu: str = "CUDA") -> list[dict[str, Any]]:
+    """Per (arch, case): the CPU's answer, and per GPU run (local window on the GPU or not)
+    whether its answer is the same, and the largest logit and K/V differences."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, as on the CPU
+    ids = torch.randint(2, 500, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ktlong-bench-cuda-") as tmp:
+        for arch in archs:
+            path = _model(Path(tmp), arch)
+            for case in cases:
+                if arch == "gemma3_text" and case == "locret":
+                    continue  # LOCRET reads no sliding-window model
+                st = dataclasses.replace(Settings(), **{**TINY, **CASES[case]})
+                ref = _run(path, "CPU", ids, st, n_new)
+                row: dict[str, Any] = {"arch": arch, "case": case, "tokens": ref["tokens"]}
+                for local in (True, False):
+                    got = _run(path, gpu, ids, dataclasses.replace(st, gpu_local_window=local),
+                               n_new)
+                    kv_err = max(float((a - b).abs().max())
+                                 for pa, pb in zip(ref["kv"], got["kv"], strict=True)
+                                 for a, b in zip(pa, pb, strict=True))
+                    row["gpu_local" if local else "cpu_local"] = {
+                        "same": got["tokens"] == ref["tokens"],
+                        "logit_err": float((got["logits"] - ref["logits"]).abs().max()),
+                        "kv_err": kv_err, "local_on_gpu": got["local"]}
+                rows.append(row)
+    return rows
+
+
+def speed(lengths: tuple[int, ...] = (16384, 65536), threads: int = 8) -> list[dict[str, Any]]:
+    """Prefill tok/s, peak GPU memory and decode tok/s: CUDA (local window on the GPU and not)
+    at each length, the CPU at the first."""
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+    from ktlong.tinymodel import make_model
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ktlong-bench-cuda-") as tmp:
+        path = make_model(Path(tmp) / "wide", "llama", seed=1, layers=4, hidden=1024, heads=16,
+                          kv_heads=4)
+        base = dataclasses.replace(Settings(), max_seq_len=max(lengths) + 4096,
+                                   threads_num=threads, kv_type="FP32")
+        runs = [("CUDA", n, local) for n in lengths for local in (True, False)]
+        for device, n, local in runs + [("CPU", lengths[0], False)]:
+            lm = load_model(path, device=device, dtype="float32")
+            ids = torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+            s = Session(lm, dataclasses.replace(base, gpu_local_window=local))
+            if device == "CUDA":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            s.prefill(ids)
+            dt = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated() if device == "CUDA" else None
+            list(s.generate(Sampling(max_new_tokens=8)))  # warm
+            last = list(s.generate(Sampling(max_new_tokens=48)))[-1].stats
+            rows.append({"device": device, "tokens": n, "gpu_local": local,
+                         "prefill_tok_s": n / dt, "peak_gpu_bytes": peak,
+                         "decode_tok_s": last.decode_tok_s, "attended": last.attended_share})
+    return rows
+
+
+def main(as_json: bool, threads: int) -> dict[str, Any]:
+    from ktlong import render
+
+    if not torch.cuda.is_available():
+        raise KtlongError("ktlong bench cuda needs a CUDA GPU, and torch sees none",
+                          hint="run it on a machine with one (a CUDA build of torch)")
+    result = {"device": torch.cuda.get_device_name(0), "agree": agree(),
+              "speed": speed(threads=threads or 8)}
+    if as_json:
+        render.print_json(result)
+        return result
+    c = render.console()
+    c.print(f"[bold]{result['device']}[/] against the CPU, tiny random models, greedy")
+    for r in result["agree"]:
+        g, p = r["gpu_local"], r["cpu_local"]
+        c.print(f"{r['arch']:<12} {r['case']:<19} same tokens: {g['same']} / {p['same']}  "
+                f"logits {max(g['logit_err'], p['logit_err']):.1e}  "
+                f"K,V {max(g['kv_err'], p['kv_err']):.1e}")
+    for r in result["speed"]:
+        peak = ("" if r["peak_gpu_bytes"] is None
+                else f", peak GPU {r['peak_gpu_bytes'] / 2**20:.0f} MiB")
+        c.print(f"{r['device']} {r['tokens']:,} tokens, local window on "
+                f"{'GPU' if r['gpu_local'] else 'CPU'}: prefill {r['prefill_tok_s']:,.0f} tok/s"
+                f"{peak}, decode {r['decode_tok_s']:.1f} tok/s")
+    return result

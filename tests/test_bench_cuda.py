@@ -1,0 +1,30 @@
+"""`ktlong bench cuda`: its comparison, run CPU against CPU here (CI has no GPU), and its one
+line without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ktlong.bench import cuda
+from ktlong.cli import main
+
+
+def test_agree_compares_answers_and_kv():
+    rows = cuda.agree(archs=("llama",), cases=("dense", "locret"), n_tokens=700, n_new=4,
+                      gpu="CPU")
+    assert [r["case"] for r in rows] == ["dense", "locret"]
+    for r in rows:
+        assert len(r["tokens"]) == 4
+        for side in ("gpu_local", "cpu_local"):
+            assert r[side]["same"] and r[side]["kv_err"] == 0.0 and r[side]["logit_err"] == 0.0
+            assert not r[side]["local_on_gpu"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="says so only where there is no GPU")
+def test_without_a_gpu_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "cuda"])
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "Traceback" not in err
