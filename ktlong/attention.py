@@ -111,7 +111,7 @@ class AttentionRouter:
         `[Hq, L, d]` float32."""
         if self.window is not None and layer in self.window:
             return self.window.attend(layer, q.cpu(), k.cpu(), v.cpu(), scale).to(q.device)
-        model_layer, layer = layer, self.kv_index[layer]
+        layer = self.kv_index[layer]
         start = self.store.write(layer, k, v)
         if self.capture:  # only the last rows are copied: the chunk's q is the layer's biggest
             prev = self.captured.get(layer)
@@ -130,7 +130,7 @@ class AttentionRouter:
         else:
             out = self._dense(layer, q, start, scale)
         if self.evictor is not None and self.evictor.active:
-            self.evictor.after_chunk(layer, model_layer, q, k, v, start, scale, self.store)
+            self.evictor.after_chunk(layer, q, k, v, start, scale, self.store)
             self._dev_layer, self._dev_kv = -1, None  # the layer's rows moved
         self.attn_s += time.perf_counter() - t0
         return out

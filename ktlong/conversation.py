@@ -96,14 +96,15 @@ class Conversation:
 
     def _encode(self, text: str, memo: dict[str, list[int]]) -> list[int]:
         ids = self._memo.get(text)
-        if ids is None and len(text) > LONG_TEXT:  # a document: the tokenizer's scratch goes
-            from ktlong.memory import limit_heap_retention, trim_heap
+        if ids is None:
+            from ktlong import memory
 
-            limit_heap_retention()
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            trim_heap()
-        elif ids is None:
+            long = len(text) > LONG_TEXT  # a document: the tokenizer's scratch goes back after
+            if long:
+                memory.limit_heap_retention()
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            if long:
+                memory.trim_heap()
         memo[text] = ids
         return ids
 

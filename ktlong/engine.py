@@ -122,7 +122,7 @@ def _evictor(lm: LoadedModel, settings: Settings, n_layers: int,
     heads = None
     if settings.locret_scores == "HEADS":
         heads = locret.load_heads(locret.find_heads(lm.spec, settings), lm.spec)[0]
-    return locret.Evictor(settings, lm.spec, inv_freq, heads, n_layers)
+    return locret.Evictor(settings, inv_freq, heads, n_layers)
 
 
 def tier_dir(spec: Any, settings: Settings) -> Path | None:
@@ -218,7 +218,7 @@ class Session:
         """Refuse, before any work, a prompt the store cannot hold (never truncate silently).
         A LOCRET document holds at most its budget and one chunk at a time."""
         if self.evictor is not None and not self.tokens:
-            n_new = min(n_new, self.settings.locret_budget + self._chunk_len())
+            n_new = min(n_new, memory.locret_rows(self.settings))
         check_fits(self.lm.spec, self.settings, self.pos + n_new, self.store.capacity)
 
     def _chunk_len(self) -> int:

@@ -30,28 +30,23 @@ from ktlong.errors import KtlongError
 
 HEADS_FORMAT = 1
 HIDDEN = 64  # a head's hidden width
-SCORERS = ("HEADS", "ATTENTION", "RECENT")
 OBSERVE = 32  # ATTENTION: the chunk's last queries that score the rows
 
 
 # --- RoPE: keys to position 0 and back ----------------------------------------------------------
-def _angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[n, rot]` float32 for positions `[n]` (float64 angles; halves layout)."""
-    ang = positions.double()[:, None] * inv_freq.double()[None]  # [n, rot/2]
-    ang = torch.cat([ang, ang], -1)
-    return ang.cos().float(), ang.sin().float()
-
-
 def rotate(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x `[H, n, d]` rotated by `positions` `[n]` (negative: turned back); a float32 copy.
-    Llama's rotate_half layout; channels past 2 * len(inv_freq) (partial rotary) stay."""
-    rot = 2 * inv_freq.shape[0]
-    cos, sin = _angles(inv_freq, positions)
-    out = x.float().clone()
-    a = out[..., :rot]
-    half = torch.cat([-a[..., rot // 2 :], a[..., : rot // 2]], -1)
-    out[..., :rot] = a * cos + half * sin
-    return out
+    """x `[H, n, d]` rotated by `positions` `[n]` (negative: turned back); a float32 copy
+    (ktlong.shift's rotation, one angle per token)."""
+    from ktlong.shift import rerotate, rotation
+
+    return rerotate(x.float().clone(), *rotation(inv_freq, positions))
+
+
+def turned_back(x: torch.Tensor, inv_freq: torch.Tensor | None, pos0: int) -> torch.Tensor:
+    """x `[H, n, d]` post-RoPE of tokens at pos0.. turned back to position 0 (float32 copy)."""
+    if inv_freq is None:
+        return x.float().clone()
+    return rotate(x, inv_freq, -torch.arange(pos0, pos0 + x.shape[1], dtype=torch.float64))
 
 
 # --- features and labels ----------------------------------------------------------------------
@@ -59,12 +54,14 @@ def features(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int,
              inv_freq: torch.Tensor | None) -> torch.Tensor:
     """q `[Hq, n, d]`, k, v `[Hkv, n, d]` post-RoPE of tokens at pos0.. -> `[n, F]` float32,
     F = (Hq + 2 Hkv) d: q and k turned back to position 0, each part scaled to unit RMS."""
-    if inv_freq is not None:
-        back = -torch.arange(pos0, pos0 + q.shape[1], dtype=torch.float64)
-        q, k = rotate(q, inv_freq, back), rotate(k, inv_freq, back)
+    return _feature_rows(turned_back(q, inv_freq, pos0), turned_back(k, inv_freq, pos0), v)
+
+
+def _feature_rows(q0: torch.Tensor, k0: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`features` of q and k already turned back to position 0."""
     parts = []
-    for t in (q, k, v):
-        t = t.float().transpose(0, 1).reshape(q.shape[1], -1)  # [n, H d]
+    for t in (q0, k0, v):
+        t = t.float().transpose(0, 1).reshape(q0.shape[1], -1)  # [n, H d]
         parts.append(t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
     return torch.cat(parts, -1)
 
@@ -211,7 +208,7 @@ class Evictor:
     docstring). Per store layer: `k0` `[Hkv, m, d]` the kept keys turned back to position 0
     (float32), `scores` `[Hkv, m]` their scores; the store holds the same m rows."""
 
-    def __init__(self, settings: Any, spec: Any, inv_freq: torch.Tensor | None,
+    def __init__(self, settings: Any, inv_freq: torch.Tensor | None,
                  heads: RetainingHeads | None, n_layers: int) -> None:
         self.budget, self.stab = settings.locret_budget, settings.locret_stabilisers
         self.scorer, self.init_len = settings.locret_scores, settings.init_len
@@ -227,20 +224,15 @@ class Evictor:
         self.k0, self.scores, self.index = [None] * n, [None] * n, [None] * n
         self.evicted = 0
 
-    def _turned_back(self, k: torch.Tensor, pos0: int) -> torch.Tensor:
-        if self.inv_freq is None:
-            return k.float().clone()
-        return rotate(k, self.inv_freq, -torch.arange(pos0, pos0 + k.shape[1],
-                                                       dtype=torch.float64))
-
-    def _score(self, slot: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _score(self, slot: int, q: torch.Tensor, k0: torch.Tensor, v: torch.Tensor,
                start: int, scale: float, store: Any) -> torch.Tensor:
-        """Scores `[Hkv, C]` of the chunk's rows; ATTENTION also raises the kept rows' scores."""
-        hkv, n = k.shape[0], k.shape[1]
+        """Scores `[Hkv, C]` of the chunk's rows (k0: its keys turned back to position 0);
+        ATTENTION also raises the kept rows' scores."""
+        hkv, n = k0.shape[0], k0.shape[1]
         if self.scorer == "HEADS":
             with torch.no_grad():
-                x = features(q.cpu(), k.cpu(), v.cpu(), start, self.inv_freq)
-                return self.heads(slot, x).T.float()  # [Hkv, C]
+                q0 = turned_back(q.cpu(), self.inv_freq, start)
+                return self.heads(slot, _feature_rows(q0, k0, v.cpu())).T.float()  # [Hkv, C]
         if self.scorer == "RECENT":  # newer rows score higher; the document's first rows stay
             s = torch.arange(start, start + n, dtype=torch.float32).expand(hkv, n).clone()
             s[:, : max(0, self.init_len - start)] = float("inf")
@@ -258,12 +250,12 @@ class Evictor:
             self.scores[slot] = torch.maximum(old, s[:, :start])
         return s[:, start:]
 
-    def after_chunk(self, slot: int, layer: int, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, start: int, scale: float, store: Any) -> None:
+    def after_chunk(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    start: int, scale: float, store: Any) -> None:
         """The chunk's k, v `[Hkv, C, d]` (at positions start..) were written to store layer
-        `slot` (model layer `layer`) and attended: score them, then keep the budget."""
-        s_new = self._score(slot, layer, q, k, v, start, scale, store)
-        k0_new = self._turned_back(k.cpu(), start)
+        `slot` and attended: score them, then keep the budget."""
+        k0_new = turned_back(k.cpu(), self.inv_freq, start)
+        s_new = self._score(slot, q, k0_new, v, start, scale, store)
         old_k0, old_s, old_i = self.k0[slot], self.scores[slot], self.index[slot]
         k0 = k0_new if old_k0 is None else torch.cat([old_k0, k0_new], 1)  # [Hkv, M, d]
         s = s_new if old_s is None else torch.cat([old_s, s_new], 1)  # [Hkv, M]

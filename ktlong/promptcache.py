@@ -537,9 +537,9 @@ def open_document(
     """
     n = len(ids)
     if settings.attention == "LOCRET":  # read within its budget, a chunk at a time
-        from ktlong import locret
+        from ktlong.memory import locret_rows
 
-        n = min(n, settings.locret_budget + locret.chunk_len(settings))
+        n = min(n, locret_rows(settings))
     check_fits(lm.spec, settings, n)
     if not use_cache:
         session = Session(lm, settings)

@@ -104,17 +104,22 @@ def rope_inv_freq(model: Any) -> torch.Tensor:
     return rotary.inv_freq.detach().to("cpu", torch.float64)
 
 
-def rotation(inv_freq: torch.Tensor, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin `[rot]` float32 of angle `delta * inv_freq`, laid out as the model's (halves)."""
-    ang = inv_freq * float(delta)  # float64: the angle itself adds no rounding
-    ang = torch.cat([ang, ang])
+def rotation(inv_freq: torch.Tensor,
+             delta: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[rot]` float32 of angle `delta * inv_freq`, laid out as the model's (halves);
+    `[n, rot]` for deltas `[n]` (one per token)."""
+    if isinstance(delta, torch.Tensor):
+        ang = delta.double()[:, None] * inv_freq.double()[None]  # float64: no added rounding
+    else:
+        ang = inv_freq * float(delta)
+    ang = torch.cat([ang, ang], -1)
     return ang.cos().float(), ang.sin().float()
 
 
 def rerotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Keys `[..., d]` float32 rotated once more (Llama's rotate_half layout: channel j pairs
     with j + rot/2), in place; channels past `rot` (partial rotary) stay."""
-    rot = cos.shape[0]
+    rot = cos.shape[-1]
     x = k[..., :rot]
     half = torch.cat([-x[..., rot // 2 :], x[..., : rot // 2]], -1)
     k[..., :rot] = x * cos + half * sin

@@ -59,8 +59,8 @@ class Recorder:
         self.parts: list[list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = [
             [] for _ in range(n_layers)]
 
-    def after_chunk(self, slot: int, layer: int, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, start: int, scale: float, store: Any) -> None:
+    def after_chunk(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    start: int, scale: float, store: Any) -> None:
         self.scale = scale
         self.parts[slot].append((start, q.float().cpu(), k.float().cpu(), v.float().cpu()))
 
@@ -157,7 +157,10 @@ def train(lm: Any, out: Path, cfg: TrainConfig, fresh: bool = False,
     out.parent.mkdir(parents=True, exist_ok=True)
     done, losses, n_examples, t_used = 0, [], 0, 0.0
     if partial.is_file() and not fresh:
-        ck = torch.load(partial, weights_only=False)
+        try:
+            ck = torch.load(partial, weights_only=False)
+        except Exception:  # unreadable: start over (it is rewritten at the next checkpoint)
+            ck = {}
         if ck.get("fingerprint") == spec.fingerprint and ck.get("config") == cfg.__dict__:
             heads.load_state_dict(ck["heads"])
             opt.load_state_dict(ck["opt"])

@@ -102,16 +102,16 @@ def test_eviction_keeps_budget_like_numpy(scorer):
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     st = SimpleNamespace(locret_budget=b, locret_stabilisers=stab, locret_scores=scorer,
                          init_len=2)
-    ev = locret.Evictor(st, None, inv, None, 1)
+    ev = locret.Evictor(st, inv, None, 1)
     k0_all = torch.randn(hkv, m + c, d, generator=g)  # keys at position 0
     v_all = torch.randn(hkv, m + c, d, generator=g)
     k_pos = locret.rotate(k0_all, inv, torch.arange(0.0, m + c))  # as written at 0..m+c-1
     store = _Store(k_pos.clone(), v_all.clone())
     q = torch.randn(hq, m + c, d, generator=g)
-    ev.after_chunk(0, 0, q[:, :m], k_pos[:, :m], v_all[:, :m], 0, 0.5, store)  # fits: kept
+    ev.after_chunk(0, q[:, :m], k_pos[:, :m], v_all[:, :m], 0, 0.5, store)  # fits: kept
     assert ev.k0[0].shape == (hkv, m, d) and store.k.shape[1] == m + c
     scores_before = ev.scores[0].clone()
-    ev.after_chunk(0, 0, q[:, m:], k_pos[:, m:], v_all[:, m:], m, 0.5, store)
+    ev.after_chunk(0, q[:, m:], k_pos[:, m:], v_all[:, m:], m, 0.5, store)
     # the reference choice
     if scorer == "RECENT":
         s = np.tile(np.arange(m + c, dtype=np.float64), (hkv, 1))
