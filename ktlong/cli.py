@@ -25,6 +25,7 @@ from ktlong.config import (
     FIELDS,
     Resolved,
     Settings,
+    coerce,
     parse_int,
     resolve_settings,
     unknown_key,
@@ -825,7 +826,7 @@ def bench_accuracy(model: ModelOpt = None,
                        "pretrained models: the model only writes the value.")] = False,
                    plot: PlotOpt = None, png: PngOpt = None,
                    seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
-                   threads: ThreadsOpt = 0,
+                   threads: ThreadsOpt = 0, device: DeviceOpt = None,
                    as_json: JsonOpt = False) -> None:
     """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
     from ktlong.demo import tasks
@@ -862,9 +863,10 @@ def bench_accuracy(model: ModelOpt = None,
                f"{'' if task_names == list(tasks.TASKS) else f' --tasks {asked}'}"
                f"{'' if haystack == 'filler' else f' --haystack {haystack}'}"
                f"{' --lead' if lead else ''}{f' --seed {seed}' if seed else ''}"
-               f"{f' -t {threads}' if threads else ''}")
+               f"{f' -t {threads}' if threads else ''}{f' --device {device}' if device else ''}")
     accuracy.main(model, _lengths(lengths), samples, names, as_json, plot_file, threads, seed,
-                  command, task_names, haystack, lead)
+                  command, task_names, haystack, lead, device=coerce("device", device or "AUTO",
+                                                                     "--device"))
 
 
 @bench_app.command("cache")

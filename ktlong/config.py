@@ -96,7 +96,7 @@ class Settings:
                              "(about 2x the FP32 speed where the CPU has BF16 dot products, "
                              "error ~4e-3 of a row's largest output, as llama.cpp's int8 "
                              "activations); AUTO = BF16 on such a CPU for layers at least "
-                             "1024 wide, else FP32", choices=("AUTO", "BF16", "FP32"))
+                             "512 wide, else FP32", choices=("AUTO", "BF16", "FP32"))
     threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
                           "idle when a prefill or an answer starts, at least the physical cores "
                           "less one", 0)
@@ -168,7 +168,7 @@ class Settings:
     prefill: str = _f("enum", "WINDOW", "prefill", "DENSE: every earlier token (exact); WINDOW: "
                       "init_len + prefill_window tokens; MINFERENCE: per-head sparse patterns "
                       "(MInference)", choices=("DENSE", "WINDOW", "MINFERENCE"))
-    prefill_window: int = _f("int", 12288, "prefill", "WINDOW: past tokens each prompt token "
+    prefill_window: int = _f("int", 16384, "prefill", "WINDOW: past tokens each prompt token "
                              "attends while a document is read, besides init_len; 0 = all "
                              "(exact)", 0)
     prefill_vertical: int = _f("int", 1024, "prefill", "MINFERENCE: key columns per head "

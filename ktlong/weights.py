@@ -329,7 +329,7 @@ def compact(model: nn.Module, half: torch.dtype, dtype: torch.dtype = torch.floa
     model.to(dtype)  # norms, biases, rotary buffers; the int16 bits stay as they are
 
 
-BF16_MIN_WIDTH = 1024  # AUTO: narrower layers (tiny models) keep FP32 prefill matmuls
+BF16_MIN_WIDTH = 512  # AUTO: narrower layers (tiny models, the demo) keep FP32 prefill matmuls
 
 
 @functools.cache

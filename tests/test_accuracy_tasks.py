@@ -199,6 +199,7 @@ def test_plot_draws_new_task_names(tmp_path: Path) -> None:
     (["--tasks", "needle,nosuch"], "unknown nosuch"),
     (["--tasks", ","], "no task given"),
     (["--haystack", "poetry"], "--haystack 'poetry'"),
+    (["--device", "gpu"], "device must be AUTO|CPU|CUDA"),
 ])
 def test_bench_accuracy_rejects_unknown_tasks_and_haystacks(args: list[str], why: str) -> None:
     r = CliRunner().invoke(app, ["bench", "accuracy", *args])
@@ -286,3 +287,14 @@ def test_a_sliding_window_model_answers_as_a_chat_would(tmp_path: Path) -> None:
                                                    temperature=0.0))
            if x.token_id not in lm.eos_ids]
     assert recs[0].answer == fact.lead + tok.decode(ids, skip_special_tokens=True)
+
+
+def test_an_answer_may_break_the_copied_sentence_across_lines() -> None:
+    fact = tasks.Fact("needle", "The best thing to do in Lisbon is to follow the northern lights.",
+                      "What is the best thing to do in Lisbon?",
+                      "The best thing to do in Lisbon is to follow the northern lights.",
+                      "follow the northern lights", 0.5)
+    assert tasks.is_correct(fact, "In Lisbon it is to follow the northern\nlights.")
+    assert tasks.is_correct(fact, "to follow  the northern lights")
+    assert not tasks.is_correct(fact, "to follow the northern\n\nsky and its lights")
+    assert not tasks.is_correct(fact, "follow the northernlights")

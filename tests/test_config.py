@@ -28,7 +28,7 @@ INTERNALS_DEFAULTS = dict(
     locret_budget=4096, locret_stabilisers=512, locret_scores="HEADS", locret_heads="",
     preselect_block=False, preselect_block_count=96,
     preselect_window=64, preselect_pool=7, gpu_local_window=True, prefill="WINDOW",
-    prefill_window=12288, prefill_vertical=1024, prefill_slash=2048, prefill_patterns="",
+    prefill_window=16384, prefill_vertical=1024, prefill_slash=2048, prefill_patterns="",
     max_new_tokens=512,
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
 PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval",

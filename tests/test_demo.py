@@ -131,10 +131,11 @@ def test_bench_accuracy_runs_every_profile_on_one_prefill() -> None:
 @needs_model
 def test_bench_accuracy_cli_json() -> None:
     r = CliRunner().invoke(app, ["bench", "accuracy", "--lengths", "512", "--samples", "1",
-                                 "--profiles", "dense", "--json"])
+                                 "--profiles", "dense", "--device", "cpu", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert {x["task"] for x in out["records"]} == set(tasks.TASKS)
+    assert out["device"] == "cpu" and "--device cpu" in out["command"]
     assert out["haystack"] == "filler" and out["tasks"] == list(tasks.TASKS)
     r = CliRunner().invoke(app, ["bench", "accuracy", "--lengths", "1K", "--samples", "1",
                                  "--profiles", "dense", "--haystack", "prose",

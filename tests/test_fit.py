@@ -35,7 +35,7 @@ def test_an_8k_model_reads_inside_its_trained_context(shape_dir: Callable[..., P
 
 def test_a_model_trained_long_enough_keeps_the_defaults(shape_dir: Callable[..., Path]) -> None:
     r = fitted(shape_dir(max_position_embeddings=32768))  # Gemma 3 270M's trained context
-    assert fit.step_reads(r.settings) == DEFAULT_STEP and r.settings.prefill_window == 12288
+    assert fit.step_reads(r.settings) == DEFAULT_STEP and r.settings.prefill_window == 16384
     assert not r.notes and not any(s.startswith("fitted") for s in r.sources.values())
 
 
@@ -53,9 +53,9 @@ def test_values_the_user_set_are_kept_with_one_warning(shape_dir: Callable[..., 
                                                        tmp_path: Path) -> None:
     model = shape_dir(max_position_embeddings=8192)
     mine = tmp_path / "wide.yaml"
-    mine.write_text("local_windows_len: 8192\nprefill_window: 16384\n")
+    mine.write_text("local_windows_len: 8192\nprefill_window: 20480\n")
     r = fitted(model, str(mine))
-    assert (r.settings.local_windows_len, r.settings.prefill_window) == (8192, 16384)
+    assert (r.settings.local_windows_len, r.settings.prefill_window) == (8192, 20480)
     assert r.settings.second_select_num == 96  # their keys already fill it: the rest stay
     warnings = [n for n in r.notes if n.startswith("warning:")]
     assert len(warnings) == 1 and len(r.notes) == 1

@@ -94,10 +94,12 @@ def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
 def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
         seed: int = 0, threads: int = 0, report: Callable[[str], None] | None = None,
         task_names: Sequence[str] = tasks.TASKS, haystack: str = "filler",
-        lead: bool = False) -> list[Record]:
+        lead: bool = False, device: str = "AUTO") -> list[Record]:
     """Every (length, sample, task, profile); `report` gets one line per document.
     `task_names`: of tasks.ALL_TASKS; `haystack`: of tasks.HAYSTACKS; `lead`: each answer starts
-    with the reference answer's words before the value (`Fact.lead`), given in the prompt."""
+    with the reference answer's words before the value (`Fact.lead`), given in the prompt;
+    `device`: where the model runs (AUTO: CUDA when present: the prefill on the GPU, the
+    block-sparse decode attention on the CPU), as in a chat."""
     from ktlong.config import resolve_settings
     from ktlong.conversation import Conversation
     from ktlong.engine import Sampling, Session
@@ -105,7 +107,7 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     from ktlong.kvstore import StoreShape
     from ktlong.model import load_model
 
-    lm = load_model(model or default_model(), "CPU")
+    lm = load_model(model or default_model(), device)
     tok = lm.tokenizer
     spec = lm.spec
     peers = [p for p in profiles if p in PEERS]
@@ -117,7 +119,7 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     out: list[Record] = []
     for n_tok in lengths:
         cap = n_tok + 1024
-        common = {"max_seq_len": cap, "device": "CPU", "threads_num": threads}
+        common = {"max_seq_len": cap, "device": device, "threads_num": threads}
         per = {p: fit_to_model(resolve_settings(p, common, config_file=False), spec).settings
                for p in profiles}  # each profile's budget fitted to the model's trained context
         bases = {}  # prefill key -> the dense settings that prefill the document that way
@@ -388,18 +390,20 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
 def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
          as_json: bool = False, plot_file: Path | None = None, threads: int = 0, seed: int = 0,
          command: str = "ktlong bench accuracy", task_names: Sequence[str] = tasks.TASKS,
-         haystack: str = "filler", lead: bool = False) -> None:
+         haystack: str = "filler", lead: bool = False, device: str = "AUTO") -> None:
     from rich.console import Console
 
     from ktlong.bench import plot as plotting
+    from ktlong.model import pick_device
 
     if plot_file is not None:
         plotting.require()
     err = Console(stderr=True)
     records = run(model, lengths, samples, profiles, seed, threads,
                   report=lambda line: err.print(line, highlight=False), task_names=task_names,
-                  haystack=haystack, lead=lead)
+                  haystack=haystack, lead=lead, device=device)
     data = {"bench": "accuracy", "command": command, "machine": plotting.machine(),
+            "device": pick_device(device).type,
             "threads": threads or "auto (idle cores)",
             "model": str(model) if model else "ktlong's demo model",
             "haystack": haystack, "tasks": list(task_names), "lead": lead,
