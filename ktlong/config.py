@@ -389,6 +389,11 @@ class Resolved:
     notes: tuple[str, ...] = ()  # lines for the user (`ktlong.fit`: what was fitted, warnings)
 
 
+# Defaults that changed since a first run copied them into config.yaml: such a value there reads as
+# today's default (a user who wants the old value sets it in a profile, or a flag).
+FORMER_DEFAULTS: dict[str, tuple[Any, ...]] = {"prefill_window": (12288,)}
+
+
 def resolve_settings(profile: str | None = None,
                      overrides: dict[str, Any] | None = None,
                      config_file: bool = True) -> Resolved:
@@ -411,6 +416,10 @@ def resolve_settings(profile: str | None = None,
         if first_run_note(text, str(path)):
             layer["max_seq_len"] = 0  # the number an older first run chose for an 8B model
         apply(layer, f"config:{path}")
+        for key, old in FORMER_DEFAULTS.items():  # a copy of an older default follows the new
+            if key in layer and layer[key] in old:
+                values[key] = FIELDS[key].default
+                sources[key] = f"default (config.yaml's {layer[key]} was an older default)"
     if profile:
         label, origin, text = profile_text(profile)
         apply(load_layer(text, origin), f"profile:{label}")

@@ -386,3 +386,18 @@ def test_profile_by_path_user_folder_and_missing(ktlong_home: Path, tmp_path: Pa
     mine.write_text("blocksize: 32\n")
     with pytest.raises(KtlongError, match=f"{mine}:1: unknown setting 'blocksize'"):
         resolve_settings(profile=str(mine))
+
+
+def test_a_copied_older_default_in_config_yaml_follows_the_new_default(ktlong_home: Path) -> None:
+    """An older first run wrote prefill_window 12288 (then the default) into config.yaml; it
+    reads as today's default, so fitting treats it as the user's choice no more."""
+    write_config(ktlong_home, "prefill_window: 12288\nblock_size: 64\n")
+    r = resolve_settings()
+    assert r.settings.prefill_window == FIELDS["prefill_window"].default == 16384
+    assert r.sources["prefill_window"].startswith("default (config.yaml's 12288")
+    assert r.settings.block_size == 64 and r.sources["block_size"].startswith("config:")
+    write_config(ktlong_home, "prefill_window: 12000\n")  # the user's own number stays
+    r = resolve_settings()
+    assert r.settings.prefill_window == 12000 and r.sources["prefill_window"].startswith("config:")
+    flag = resolve_settings(None, {"prefill_window": 12288})  # a flag is always the user's
+    assert flag.settings.prefill_window == 12288 and flag.sources["prefill_window"] == "flag"
