@@ -211,6 +211,8 @@ def test_bf16_prefill_auto_takes_wide_layers_on_a_bf16_cpu_only(monkeypatch):
     assert set_prefill_matmul(model, "AUTO") == "BF16"
     assert (wide.mm_dtype, narrow.mm_dtype) == (torch.bfloat16, torch.float32)
     assert bf16_prefill(4096, "AUTO") and not bf16_prefill(256, "AUTO")
+    # SmolLM2-135M (576) and Gemma 3 270M (640) take BF16; the demo model (128) stays exact
+    assert bf16_prefill(576, "AUTO") and bf16_prefill(640, "AUTO") and not bf16_prefill(128, "AUTO")
     assert bf16_prefill(256, "BF16") and not bf16_prefill(4096, "FP32")
     monkeypatch.setattr(weights, "cpu_has_bf16", lambda: False)
     assert set_prefill_matmul(model, "AUTO") == "FP32" and wide.mm_dtype == torch.float32
