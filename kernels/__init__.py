@@ -106,7 +106,16 @@ try:
         turned_ref,
     )
     from .gemv import gemv, gemv_ref  # noqa: E402
-    from .layer import gated, gated_ref, rmsnorm, rmsnorm_ref, rope, rope_ref  # noqa: E402
+    from .layer import (  # noqa: E402
+        gated,
+        gated_ref,
+        rmsnorm,
+        rmsnorm_ref,
+        rope,
+        rope_ref,
+        window_attend,
+        window_attend_ref,
+    )
     from .qlinear import dequant, dequant_rows, qgemv, qgemv_ref  # noqa: E402
     from .step import select_attend, select_attend_layer, select_attend_ref  # noqa: E402
     from .votes import query_votes, query_votes_ref  # noqa: E402
@@ -127,5 +136,5 @@ __all__ = [
     "qgemv", "qgemv_ref", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref", "rope",
     "rope_ref", "rope_turns", "turned_ref", "score_blocks", "score_blocks_ref", "select_attend",
     "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash", "topk_blocks",
-    "topk_blocks_ref", "turned_back_ref",
+    "topk_blocks_ref", "turned_back_ref", "window_attend", "window_attend_ref",
 ]

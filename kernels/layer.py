@@ -1,5 +1,6 @@
-"""The small per-layer operations of a one-token decode step: RMS norm, rotary embedding and the
-gated MLP's activation, each in place on float32 vectors, each beside a NumPy reference.
+"""The small per-layer operations of a one-token decode step: RMS norm, rotary embedding, the
+gated MLP's activation and attention over a sliding window's float32 rows, on float32 vectors,
+each beside a NumPy reference.
 
 They are tiny (a few thousand floats): what they save is the per-call cost of a dozen torch ops,
 not arithmetic. Sums of squares run in float32 like torch's; the activations follow torch's
@@ -12,7 +13,7 @@ import math
 import numpy as np
 from numba import njit
 
-from ._simd import F32
+from ._simd import F32, FASTMATH, LOG2E, exp2_neg
 
 GELU_C = F32(math.sqrt(2.0 / math.pi))
 
@@ -61,15 +62,22 @@ def rope_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos + rot * sin
 
 
-@njit(cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def gated(g, u, gelu):
-    """g [n] = act(g) * u in place; act SiLU, or with `gelu` tanh-approximated GELU."""
+    """g [n] = act(g) * u in place; act SiLU, or with `gelu` tanh-approximated GELU. Both through
+    e = exp(-|z|) (exp2_neg: vectorises): sigmoid(z) = 1 / (1 + e), or e / (1 + e) for z < 0;
+    tanh(z) = sign(z) (1 - e^2) / (1 + e^2)."""
     for i in range(g.shape[0]):
         a = g[i]
         if gelu:
-            a = F32(0.5) * a * (F32(1) + np.tanh(GELU_C * (a + F32(0.044715) * a * a * a)))
+            z = GELU_C * (a + F32(0.044715) * a * a * a)
+            e = exp2_neg(F32(-2 * LOG2E) * abs(z))
+            t = (F32(1) - e) / (F32(1) + e)
+            a = F32(0.5) * a * (F32(1) + (t if z >= 0 else -t))
         else:
-            a = a / (F32(1) + np.exp(-a))
+            e = exp2_neg(F32(-LOG2E) * abs(a))
+            s = F32(1) / (F32(1) + e)
+            a = a * (s if a >= 0 else e * s)
         g[i] = a * u[i]
     return g
 
@@ -81,3 +89,57 @@ def gated_ref(g: np.ndarray, u: np.ndarray, gelu: bool) -> np.ndarray:
     else:
         a = g / (1 + np.exp(-g))
     return a * u
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def window_attend(q, kb, vb, r0, r1, scale, out):
+    """Attention of one token over rows [r0, r1) of a sliding-window buffer: q [Hq, d], kb, vb
+    [Hkv, cap, d] float32 -> out [Hq, d] float32. Query head j reads KV head j // (Hq / Hkv)."""
+    hq, d = q.shape
+    hkv = kb.shape[0]
+    g = hq // hkv
+    n = r1 - r0
+    s = np.empty((g, n), np.float32)
+    for h in range(hkv):
+        for r in range(n):  # scores: each key row read once for the group's g queries
+            kr = kb[h, r0 + r]
+            for j in range(g):
+                qj = q[h * g + j]
+                a = F32(0)
+                for i in range(d):
+                    a += qj[i] * kr[i]
+                s[j, r] = a * F32(scale)
+        for j in range(g):
+            m = s[j, 0]
+            for r in range(1, n):
+                m = max(m, s[j, r])
+            den = F32(0)
+            for r in range(n):
+                e = np.exp(s[j, r] - m)
+                s[j, r] = e
+                den += e
+            inv = F32(1) / den
+            for r in range(n):
+                s[j, r] *= inv
+            o = out[h * g + j]
+            for i in range(d):
+                o[i] = F32(0)
+        for r in range(n):  # P.V: each value row read once
+            vr = vb[h, r0 + r]
+            for j in range(g):
+                p = s[j, r]
+                o = out[h * g + j]
+                for i in range(d):
+                    o[i] += p * vr[i]
+    return out
+
+
+def window_attend_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """q [Hq, d], k, v [Hkv, n, d] -> [Hq, d], in float64."""
+    g = q.shape[0] // k.shape[0]
+    kk = np.repeat(np.asarray(k, np.float64), g, 0)  # [Hq, n, d]
+    vv = np.repeat(np.asarray(v, np.float64), g, 0)
+    s = np.einsum("hd,hnd->hn", np.asarray(q, np.float64), kk) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hn,hnd->hd", p, vv)

@@ -194,8 +194,10 @@ class Decoder:
             h += m
             store.check_resident()
         logits = self.head(self.norm(h))
-        if self.softcap:
-            logits = np.tanh(logits / self.softcap) * self.softcap
+        if self.softcap:  # in place: the vector is the vocabulary's size
+            logits *= 1.0 / self.softcap
+            np.tanh(logits, out=logits)
+            logits *= self.softcap
         return torch.from_numpy(logits)[None]
 
 

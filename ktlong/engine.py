@@ -97,7 +97,9 @@ def position_embeddings(body: Any, h: torch.Tensor, pos: torch.Tensor) -> list[A
 
 def sample(logits: torch.Tensor, sp: Sampling, gen: torch.Generator | None) -> int:
     """logits [vocab] -> token id (greedy when temperature is 0)."""
-    if sp.temperature <= 0:
+    if sp.temperature <= 0:  # NumPy's argmax on a CPU vector: 262K floats in 0.02 ms, torch 0.24
+        if logits.device.type == "cpu":
+            return int(logits.detach().float().numpy().argmax())
         return int(torch.argmax(logits))
     logits = logits.float() / sp.temperature
     if sp.top_k > 0:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ktlong import kernels
+
 KEEP_PAST_PIN = 32768  # tokens kept after a pin before it is let go (a very long chat)
 QUERY_TILE = 128  # a chunk's queries per attention call: each reads tile + window - 1 keys, not
 # the whole chunk (Gemma 3 270M at a 1,024-token chunk: 2.2x less time in these layers)
@@ -117,14 +119,13 @@ class SlidingKV:
         `window` rows (its own included)."""
         start = self.length(layer)
         self._append(layer, torch.from_numpy(k)[:, None], torch.from_numpy(v)[:, None])
-        kk, vv = self.rows(layer)
-        w = min(self.window, kk.shape[1])
-        hq, hkv = q.shape[0], kk.shape[0]
-        qt = torch.from_numpy(q).view(hkv, hq // hkv, -1)  # [Hkv, g, d]
-        p = torch.softmax(torch.bmm(qt, kk[:, -w:].transpose(1, 2)) * scale, -1)  # [Hkv, g, w]
-        out = torch.bmm(p, vv[:, -w:]).reshape(hq, -1)
+        end = self.off[layer] + self.n[layer]  # buffer rows [end - w, end): the window
+        w = min(self.window, self.n[layer])
+        out = np.empty_like(q)
+        kernels.window_attend(q, self.kb[layer].numpy(), self.vb[layer].numpy(), end - w, end,
+                              scale, out)
         self._trim(layer, start + 1)
-        return out.numpy()
+        return out
 
     def pin(self, n_tokens: int) -> None:
         self.pin_at = n_tokens

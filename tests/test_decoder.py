@@ -39,6 +39,26 @@ def test_layer_kernels_match_their_references():
     for gelu in (False, True):
         np.testing.assert_allclose(kernels.gated(g.copy(), u, gelu), kernels.gated_ref(g, u, gelu),
                                    rtol=1e-5, atol=1e-5)
+    big = np.array([-90.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 90.0], np.float32)  # exp's far ends
+    for gelu in (False, True):
+        np.testing.assert_allclose(kernels.gated(big.copy(), np.ones_like(big), gelu),
+                                   kernels.gated_ref(big, np.ones_like(big), gelu),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hq,hkv,rows", [(4, 1, 512), (9, 3, 37), (2, 2, 1)])
+def test_window_attention_matches_its_reference(hq, hkv, rows):
+    """A token over rows [r0, r1) of a window buffer [Hkv, cap, d]; query head j reads KV head
+    j // (Hq / Hkv); rows outside the range must not count."""
+    rng = np.random.default_rng(hq + rows)
+    d, r0 = 32, 5
+    kb = rng.standard_normal((hkv, r0 + rows + 7, d)).astype(np.float32)
+    vb = rng.standard_normal(kb.shape).astype(np.float32)
+    kb[:, :r0] = kb[:, r0 + rows:] = 50.0  # would dominate the softmax if read
+    q = rng.standard_normal((hq, d)).astype(np.float32)
+    out = kernels.window_attend(q, kb, vb, r0, r0 + rows, 0.25, np.full_like(q, np.nan))
+    ref = kernels.window_attend_ref(q, kb[:, r0:r0 + rows], vb[:, r0:r0 + rows], 0.25)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def _steps(path, n_prompt=300, n_steps=6, **kw):
