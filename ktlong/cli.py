@@ -630,32 +630,33 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                      help="KV formats, comma-separated: BF16, FP16, Q8_0, Q4_0 (each timed "
                           "in the same rounds).")] = "BF16",
                  kv_tier: Annotated[str, typer.Option(
-                     help="With --shape: ram, or disk (the KV in a file under cache_dir, "
+                     help="With --shape or -m: ram, or disk (the KV in a file under cache_dir, "
                           "memory-mapped).")] = "ram",
                  shape: Annotated[str | None, typer.Option(
                      show_default=False,
                      help="Decode a whole random model at real widths (8b) over a synthetic KV "
                           "cache of each --contexts length instead of one layer's attention.")]
                  = None,
+                 model: ModelOpt = None,
                  layers: Annotated[int, typer.Option(min=1, help="Layers of the --shape model.")]
                  = 2,
                  weights: Annotated[str, typer.Option(
                      help="Weights of the --shape model (as bench e2e).")] = "q4_k_m",
                  steps: Annotated[int, typer.Option(
-                     min=2, help="With --shape: tokens decoded per run.")] = 16,
+                     min=2, help="With --shape or -m: tokens decoded per run.")] = 16,
                  runs: Annotated[int, typer.Option(
-                     min=1, help="With --shape: decode runs (the median is reported).")] = 3,
+                     min=1, help="With --shape or -m: decode runs (the median is reported).")] = 3,
                  profiles: Annotated[str, typer.Option(
-                     help="With --shape: settings profiles (names or YAML files), "
+                     help="With --shape or -m: settings profiles (names or YAML files), "
                           "comma-separated, each in its own process.")] = "default",
                  peers: Annotated[str, typer.Option(
-                     help="With --shape: llama.cpp runtimes decoding the same file over a "
+                     help="With --shape or -m: llama.cpp runtimes decoding the same file over a "
                           "synthetic KV of the same length, comma-separated: llamacpp-fa (F16 "
                           "KV), llamacpp-q8kv (Q8_0 KV), llamacpp-nofa (no flash attention); "
                           "needs the [peers] extra.")] = "",
                  plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
     """Sparse decode speed against context length: one layer's attention (kernels only), or a
-    whole model over a synthetic KV cache (--shape)."""
+    whole model over a synthetic KV cache (--shape, or a real model with --model)."""
     lengths = _lengths(contexts)
     kv_types = list(dict.fromkeys(t.strip().upper() for t in kv_type.split(",") if t.strip()))
     bad = [t for t in kv_types if t not in ("BF16", "FP16", "Q8_0", "Q4_0")]
@@ -663,11 +664,17 @@ def bench_decode(contexts: Annotated[str, typer.Option(
         raise KtlongError(f"--kv-type {kv_type!r}: choose from BF16, FP16, Q8_0, Q4_0")
     if kv_tier not in ("ram", "disk"):
         raise KtlongError(f"--kv-tier {kv_tier!r}: choose ram or disk")
-    if shape is not None:
+    if shape is not None and model is not None:
+        raise KtlongError("--shape and --model both name a model: give one")
+    if shape is not None or model is not None:
         from ktlong.bench import decodemodel
         from ktlong.bench.genmodel import SHAPES, WEIGHTS
 
-        if shape not in SHAPES or weights not in WEIGHTS:
+        if model is not None:
+            from ktlong.spec import read_spec
+
+            read_spec(model)  # a missing or unreadable model: one line, before any worker
+        elif shape not in SHAPES or weights not in WEIGHTS:
             raise KtlongError(f"--shape {shape} --weights {weights}: choose a shape from "
                               f"{list(SHAPES)} and weights from {', '.join(WEIGHTS)}")
         cache = resolve(None).settings.cache_dir
@@ -683,11 +690,13 @@ def bench_decode(contexts: Annotated[str, typer.Option(
             if not _llamacpp_available():
                 raise KtlongError("--peers needs llama-cpp-python", hint=PEERS_HINT)
         data = decodemodel.run(lengths, kv_types, kv_tier, steps, runs, threads,
-                               (shape, layers, weights), cache,
-                               lambda m: print(m, file=sys.stderr, flush=True), names,
+                               Path(model) if model is not None else (shape, layers, weights),
+                               cache, lambda m: print(m, file=sys.stderr, flush=True), names,
                                peer_names)
-        data["command"] = (f"ktlong bench decode --shape {shape} --layers {layers} --weights "
-                           f"{weights} --contexts {contexts} --kv-type {','.join(kv_types)} "
+        what = (f"-m {model.name}" if model is not None
+                else f"--shape {shape} --layers {layers} --weights {weights}")
+        data["command"] = (f"ktlong bench decode {what} "
+                           f"--contexts {contexts} --kv-type {','.join(kv_types)} "
                            f"--kv-tier {kv_tier} --steps {steps} --runs {runs}"
                            f"{f' --profiles {profiles}' if profiles != 'default' else ''}"
                            f"{f' --peers {peers}' if peer_names else ''}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ktlong import decoder, memory
@@ -24,6 +25,7 @@ from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
 from ktlong.slidingkv import SlidingKV
 from ktlong.squeeze import cosine_sum
+from ktlong.tokenids import TokenIds, common_prefix
 from ktlong.warmup import compile_seconds, warm_up
 from ktlong.weights import set_prefill_matmul
 
@@ -157,7 +159,7 @@ class Session:
         )
         self.store = store or KVStore(shape, settings.max_seq_len,
                                       tier_dir=tier_dir(spec, settings))
-        self.tokens: list[int] = list(tokens or [])  # ids whose K,V are in the store
+        self.tokens = tokens or []  # ids whose K,V are in the store (a TokenIds)
         self.window = None  # the sliding-window layers' rows (Gemma 3), outside the store
         if spec.sliding_layers:
             self.window = SlidingKV(spec.sliding_layers, spec.n_kv_heads, spec.head_dim,
@@ -209,6 +211,14 @@ class Session:
         if n != self.threads:
             self.threads = kernels.configure_threads(n)  # Numba and torch
         self.stats.threads = self.threads
+
+    @property
+    def tokens(self) -> TokenIds:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, ids: Any) -> None:
+        self._tokens = TokenIds(ids)
 
     @property
     def pos(self) -> int:
@@ -298,7 +308,8 @@ class Session:
         """Each layer over every chunk (CUDA: the router mirrors one layer's KV on the device, so
         the past is uploaded once per layer); hidden states of the whole prompt wait in DRAM."""
         body, dev, n = self.lm.model.model, self.lm.device, len(ids)
-        hidden = body.embed_tokens(torch.tensor(ids, device=dev)).cpu()  # [n, hidden]
+        hidden = body.embed_tokens(  # [n, hidden]
+            torch.as_tensor(np.asarray(ids, np.int64), device=dev)).cpu()
         n_layers = len(body.layers)
         # cos/sin depend only on positions: kept per chunk when small, else per layer
         keep_rope = n * self.lm.spec.head_dim * 8 <= ROPE_CACHE_BYTES
@@ -364,12 +375,7 @@ class Session:
 
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` the store already holds."""
-        n = 0
-        for a, b in zip(self.tokens, ids, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)
 
     def extend_to(self, ids: list[int], progress: Progress | None = None) -> torch.Tensor:
         """Make the store hold exactly `ids`, prefilling only what it lacks.

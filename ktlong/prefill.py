@@ -30,6 +30,7 @@ def run(
     from ktlong.model import load_model
     from ktlong.promptcache import open_document
     from ktlong.spec import read_spec
+    from ktlong.tokenids import TokenIds
 
     if model is None:
         raise KtlongError(
@@ -40,7 +41,7 @@ def run(
     ui = chatui.TerminalUI(as_json=as_json)
     with ui.loading(model):
         lm = load_model(model, settings.device, weight_type=settings.weight_type)
-    ids = Conversation(lm.tokenizer, doc.text, system).document_ids()
+    ids = TokenIds(Conversation(lm.tokenizer, doc.text, system).document_ids())  # 4 B a token
     peak_rss(reset=True)  # from here: what reading the document takes
     with ui.progress("prefilling") as progress:
         opened = open_document(lm, settings, ids, progress, True, cache_dir)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ktlong.kvstore import from_storage, to_storage
+from ktlong.tokenids import common_prefix
 
 MIN_REUSE = 16  # shorter runs are prefilled again rather than moved
 MOVE_CHUNK = 4096  # tokens of one layer moved at a time (bounded temporaries)
@@ -71,11 +72,7 @@ def plan(tokens: list[int], ids: list[int], min_reuse: int = MIN_REUSE) -> Shift
     most K,V; None when no run of at least `min_reuse` tokens can be moved (then cutting back to
     the common prefix and prefilling is all there is to do)."""
     n = len(tokens)
-    p = 0
-    for a, b in zip(tokens, ids, strict=False):
-        if a != b:
-            break
-        p += 1
+    p = common_prefix(tokens, ids)
     if p >= n or p >= len(ids):
         return None  # `ids` continue the store, or are a prefix of it: nothing to move
     t = np.asarray(tokens, np.int64)

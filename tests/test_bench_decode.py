@@ -201,6 +201,21 @@ def test_decodemodel_worker_q4_0_on_disk(tmp_path):
     assert r["rss_anon_gb"] > 0
 
 
+def test_decodemodel_worker_on_a_sliding_window_model(tmp_path):
+    """--model with a Gemma 3: the store holds the full layers' synthetic rows, the sliding
+    layers' ring a window of random rows; the decode reads both."""
+    from ktlong.bench import decodemodel
+    from ktlong.tinymodel import make_model
+
+    path = make_model(tmp_path / "gemma", "gemma3_text", layers=6, hidden=64, heads=4,
+                      kv_heads=1, head_dim=16, sliding_window=16, seed=3)
+    context, steps = 300, 3
+    r = decodemodel.worker(str(path), "BF16", "ram", context, steps, 2, 1, str(tmp_path))
+    assert r["layers"] == 6 and r["tok_s"] > 0 and len(r["runs_tok_s"]) == 2  # runs restart
+    per_token = 1 * 2 * 1 * 16 * 2  # one full layer (of 6; Gemma 3's pattern), K and V, bf16
+    assert context * per_token < r["kv_bytes"] <= (context + 64 + steps) * per_token
+
+
 def test_bench_decode_plot_has_a_line_per_kv_type(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [dict(context=n, kv_type=t, sparse_ms=s * f, dense_ms=d * f)
@@ -290,3 +305,33 @@ def test_llama_state_transposed_values():
     assert off == len(b)
     with pytest.raises(ValueError, match="F16 only"):
         llamastate.seq_state(n, layers, dim, 8, v_trans=True)
+
+
+def test_llama_state_of_a_sliding_window_model():
+    """Gemma 3's iSWA cache (the layout llama.cpp 0.3.36 wrote for a 600-token Gemma 3 270M
+    prompt): the full layers' cache of every position, then the sliding layers' cache of the
+    last `swa_window` positions, each with its own stream, cells and layer count."""
+    import struct
+
+    from ktlong.bench import llamastate
+
+    n, full, swa, window, dim = 60, 2, 5, 16, 64
+    b = llamastate.seq_state(n, full, dim, 1, swa_layers=swa, swa_window=window).tobytes()
+    assert len(b) == llamastate.state_size(n, full, dim, 1, swa, window)
+    assert struct.unpack_from("<Ii", b, 0) == (0xAF143CD8, 0)
+    off, rb = 8, 2 * dim
+    for layers, first in ((full, 0), (swa, n - window)):
+        cells = n - first
+        assert struct.unpack_from("<II", b, off) == (1, cells)
+        off += 8
+        assert [struct.unpack_from("<i", b, off + 12 * i)[0] for i in range(cells)] == \
+            list(range(first, n))
+        off += 12 * cells
+        assert struct.unpack_from("<II", b, off) == (0, layers)
+        off += 8
+        for _ in range(2 * layers):
+            assert struct.unpack_from("<iQ", b, off) == (1, rb)
+            off += 12 + cells * rb
+    assert off == len(b)
+    short = llamastate.seq_state(10, full, dim, 1, swa_layers=swa, swa_window=window)
+    assert short.size == llamastate.state_size(10, full, dim, 1, swa, window)  # all in the window

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 FILL_TOKENS = 16384  # tokens per layer filled at a time
@@ -67,15 +68,18 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
            threads: int, cache_dir: str, profile: str = "default") -> dict[str, Any]:
     import dataclasses
 
+    import numpy as np
+
     from ktlong.config import resolve_settings
     from ktlong.engine import Sampling, Session
+    from ktlong.fit import fit_to_model
     from ktlong.model import load_model
     from ktlong.warmup import work_clock
 
     lm = dataclasses.replace(load_model(model, device="CPU"), eos_ids=())
-    st = resolve_settings(profile, {
+    st = fit_to_model(resolve_settings(profile, {  # a real model's budget: its trained length
         "max_seq_len": context + QUESTION + steps + 64, "threads_num": threads, "kv_type": kv_type,
-        "kv_tier": tier.upper(), "cache_dir": cache_dir}, config_file=False).settings
+        "kv_tier": tier.upper(), "cache_dir": cache_dir}, config_file=False), lm.spec).settings
     session = Session(lm, st)  # compiles (or loads) its kernels here
     store = session.store
     t0 = time.perf_counter()
@@ -84,6 +88,11 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
             n = min(FILL_TOKENS, context - c0)
             seed = 2 * (layer * (context // FILL_TOKENS + 1) + c0 // FILL_TOKENS)
             store.write_rows(layer, _rows(store, n, seed), _rows(store, n, seed + 1))
+    ring = session.window  # sliding-window layers (Gemma 3): their last `window` rows
+    if ring is not None:
+        shape = (len(ring.layers), 2, ring.n_kv_heads, ring.window, ring.head_dim)
+        ring.load(np.random.default_rng(7).standard_normal(shape, np.float32), context)
+        ring.pin(context)  # each run starts over from here
     fill_s = time.perf_counter() - t0
     session.tokens = [0] * context
     t0 = time.perf_counter()
@@ -133,12 +142,14 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
         n_threads=threads, n_threads_batch=threads, flash_attn=flash,
         type_k=ggml_type, type_v=ggml_type, n_gpu_layers=0, verbose=False)
     t0 = time.perf_counter()
-    state = seq_state(context, spec.n_layers, spec.n_kv_heads * spec.head_dim, ggml_type,
-                      v_trans=not flash)
+    swa = len(spec.sliding_layers)  # llama.cpp keeps the sliding layers' window apart
+    full, kv_dim = spec.n_layers - swa, spec.n_kv_heads * spec.head_dim
+    state = seq_state(context, full, kv_dim, ggml_type, v_trans=not flash, swa_layers=swa,
+                      swa_window=spec.sliding_window or 0)
     ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
     if llama_cpp.llama_state_seq_set_data(llm.ctx, ptr, state.size, 0) != state.size:
         raise RuntimeError("llama.cpp refused the synthetic KV state (its layout changed?)")
-    kv_bytes = 2 * spec.n_layers * context * row_bytes(ggml_type, spec.n_kv_heads * spec.head_dim)
+    kv_bytes = 2 * spec.n_layers * context * row_bytes(ggml_type, kv_dim)  # it allocates all
     del state, ptr
     fill_s = time.perf_counter() - t0
     prefix = [1] * context  # what llama-cpp-python believes its cache holds: a prefix match
@@ -172,14 +183,19 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
 
 
 def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: int,
-        threads: int, gen: tuple[str, int, str], cache_dir: str, log: Any,
+        threads: int, gen: tuple[str, int, str] | Path, cache_dir: str, log: Any,
         profiles: tuple[str, ...] = ("default",), peers: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`gen`: the random model's (shape, layers, weights), or a real model's file."""
     from ktlong.bench import genmodel
     from ktlong.bench import plot as plotting
     from ktlong.config import ktlong_home
 
-    name, layers, weights = gen
-    path, origin = genmodel.build(ktlong_home() / "bench-models", name, layers, weights, log)
+    if isinstance(gen, Path):
+        path, desc = gen, gen.name
+    else:
+        name, layers, weights = gen
+        path, origin = genmodel.build(ktlong_home() / "bench-models", name, layers, weights, log)
+        desc = f"random {name} widths, {layers} layers, {weights}: {origin}"
     rows = []
     for n in contexts:
         for profile in profiles:
@@ -194,8 +210,7 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
         base = next(b for b in rows if b["context"] == r["context"])
         r["vs_first_type"] = r["tok_s"] / base["tok_s"]
     return {"bench": "decode-model", "machine": plotting.machine(),
-            "model": f"random {name} widths, {layers} layers, {weights}: {origin}",
-            "weights_bytes": path.stat().st_size, "kv_tier": tier, "steps": steps,
+            "model": desc, "weights_bytes": path.stat().st_size, "kv_tier": tier, "steps": steps,
             "runs": runs, "rows": rows}
 
 
