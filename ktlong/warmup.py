@@ -245,7 +245,7 @@ def _half_linear(mod: Any) -> None:
 
 def _layer_ops() -> None:
     """The decode step's own small kernels (ktlong.decoder): norms of a vector and of heads,
-    RoPE, the gated activation."""
+    RoPE, the gated activation, attention over a sliding window's rows."""
     import numpy as np
 
     from ktlong import kernels
@@ -256,6 +256,8 @@ def _layer_ops() -> None:
     kernels.rmsnorm(x2, w, 1e-6, True, x2)
     kernels.rope(x2, w, w)
     kernels.gated(x, w, False)
+    rows = np.ones((1, 4, 8), np.float32)  # [Hkv, cap, d]
+    kernels.window_attend(x2, rows, rows, 1, 3, 0.5, np.empty_like(x2))
 
 
 # --- attention -----------------------------------------------------------------------------------

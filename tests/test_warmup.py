@@ -116,3 +116,21 @@ def test_stats_leave_compile_time_out(monkeypatch):
     assert s.stats.prefill_s == 0.0  # all of it was "compiling" (clamped, never negative)
     st = [step.stats for step in s.generate(Sampling(max_new_tokens=3))][-1]
     assert st.new_tokens == 3 and st.decode_tok_s == 0.0
+
+
+def test_warm_up_covers_a_sliding_window_models_decode(tmp_path):
+    """Gemma 3: the decode step's window attention and its other small kernels are compiled by
+    the warm-up, not on the first token."""
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+    from ktlong.tinymodel import make_model
+
+    path = make_model(tmp_path / "gemma", "gemma3_text", layers=6, hidden=64, heads=4,
+                      kv_heads=1, head_dim=16, sliding_window=16, seed=3)
+    s = Session(load_model(str(path)), settings(kv_type="BF16"))
+    assert s.decoder is not None and s.window is not None
+    before = _signatures()
+    s.prefill([2 + i % 50 for i in range(60)])
+    list(s.generate(Sampling(max_new_tokens=4)))
+    after = _signatures()
+    assert not {d.__name__ for d in after if after[d] - before.get(d, set())}
