@@ -78,11 +78,9 @@ def _fill_random(sess: Any, upto: int, seed: int) -> None:
 
 def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: int
             ) -> dict[str, Any]:
-    import dataclasses
 
     import torch
 
-    from ktlong.config import Settings
     from ktlong.model import load_model
     from ktlong.tinymodel import filler_text
 
@@ -94,12 +92,15 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
                            "sampled_chunks": sample}
     if runtime.startswith("ktlong"):
         from ktlong import kernels
+        from ktlong.config import resolve_settings
         from ktlong.engine import Session
+        from ktlong.fit import fit_to_model
         from ktlong.warmup import work_clock
 
         mode = runtime.split("-", 1)[1].upper()
-        st = dataclasses.replace(Settings(), attention="DENSE", prefill=mode, kv_type="BF16",
-                                 chunk_size=chunk, max_seq_len=n + 16, threads_num=threads)
+        st = fit_to_model(resolve_settings(None, {  # the window a chat gets: fitted to the model
+            "attention": "DENSE", "prefill": mode, "kv_type": "BF16", "chunk_size": chunk,
+            "max_seq_len": n + 16, "threads_num": threads}, config_file=False), lm.spec).settings
         kernels.configure_threads(threads)
         _warm(1)
         sess = Session(lm, st)
