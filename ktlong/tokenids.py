@@ -38,7 +38,9 @@ class TokenIds:
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         view = self._a[: self._n]
-        return view if dtype is None else view.astype(dtype)
+        if dtype is not None:
+            return view.astype(dtype)
+        return view.copy() if copy else view
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (TokenIds, list, tuple, np.ndarray)):
@@ -68,6 +70,9 @@ class TokenIds:
         self._n += 1
 
     def extend(self, ids: Iterable[int] | np.ndarray) -> None:
+        if type(ids) is list and len(ids) == 1:  # a decode step's token: no array made
+            self.append(ids[0])
+            return
         new = _int32(ids)
         self._grow(new.size)
         self._a[self._n : self._n + new.size] = new

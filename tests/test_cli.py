@@ -405,6 +405,28 @@ def test_bench_decode_passes_parsed_options(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(calls) == 3
 
 
+def test_bench_decode_with_a_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """-m: a real model's file goes to the runner (not a shape to build); a missing model, or a
+    model and a shape both, is one line and exit 2 before any worker starts."""
+    from ktlong.bench import decodemodel
+    from ktlong.tinymodel import write_gguf
+
+    from .models import hf_model
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(decodemodel, "run", lambda *a: calls.append(a) or {"rows": []})
+    gguf = write_gguf(hf_model("llama"), tmp_path / "m.gguf", "F32")
+    r = run("bench", "decode", "-m", str(gguf), "--contexts", "16K", "--steps", "4", "--json")
+    assert r.exit_code == 0, r.output
+    assert calls[0][6] == gguf and json.loads(r.stdout)["command"].startswith(
+        "ktlong bench decode -m m.gguf --contexts 16K")
+    r = run("bench", "decode", "-m", str(tmp_path / "nope.gguf"), "--contexts", "16K")
+    assert r.exit_code == 2 and "does not exist" in r.stderr and "Traceback" not in r.output
+    r = run("bench", "decode", "-m", str(gguf), "--shape", "8b")
+    assert r.exit_code == 2 and "give one" in r.stderr
+    assert len(calls) == 1
+
+
 def test_bench_prefill_passes_chunk_sizes_and_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple] = []
     fake = types.ModuleType("ktlong.bench.prefill")

@@ -39,6 +39,9 @@ def test_token_ids_cost_4_bytes_each_and_iterate_in_order():
     for a in range(0, n, 777):  # appended a turn at a time
         t.extend(np.arange(a, min(n, a + 777)))
     assert np.asarray(t).dtype == np.int32 and np.asarray(t).nbytes == 4 * n
+    copied = np.array(t, copy=True)
+    copied[0] = -1
+    assert t[0] == 0  # a copy asked for is one
     assert t._a.nbytes <= 2 * 4 * n  # the capacity at most doubles
     assert sum(1 for _ in t) == n and list(t)[-3:] == [n - 3, n - 2, n - 1]
 
