@@ -827,8 +827,9 @@ def bench_accuracy(model: ModelOpt = None,
                    = "passkey,kv,needle",
                    haystack: Annotated[str, typer.Option(
                        help="What the facts hide in: filler (random words, what the demo model "
-                            "was trained on), prose (a generated story) or real (license texts and "
-                            "Python's documentation: text nobody here wrote).")] = "filler",
+                            "was trained on), prose (a generated story), real (license texts and "
+                            "Python's documentation: text nobody here wrote) or licenses (the "
+                            "license texts alone).")] = "filler",
                    lead: Annotated[bool, typer.Option(
                        "--lead", help="Start each answer with the reference answer's words "
                        "before the value (\"The pass key is\"), as pass key benchmarks do for "

@@ -133,6 +133,11 @@ class Settings:
                                  "query turned back by each one's distance); AS_IS at their "
                                  "own positions (with block_positions COMPACT: in document "
                                  "order among the other blocks)", choices=("NEAR", "AS_IS"))
+    question_votes: str = _f("enum", "AS_IS", "sparse attention", "question_blocks: AS_IS "
+                             "votes on each block at its own distance; NEAR as if it sat just "
+                             "before the local window (the question's queries turned back by its "
+                             "distance), so past the trained length the votes do not all go to "
+                             "the document's first blocks", choices=("AS_IS", "NEAR"))
     block_positions: str = _f("enum", "COMPACT", "sparse attention", "COMPACT reads the blocks "
                               "before the local window (init, selected, the question's) as one "
                               "run of text ending where the window starts, so no key is read "

@@ -470,6 +470,19 @@ def length_rows(spec: Any, kv_type: str, free_dram: int, free_gpu: int | None,
     return rows
 
 
+def _measured(spec: Any) -> dict[str, Any] | None:
+    """The answers `bench accuracy` measured on this model (ktlong.measured), if any."""
+    from ktlong.measured import for_spec
+
+    m = for_spec(spec)
+    if m is None:
+        return None
+    return {"model": m.model, "results": list(m.results), "haystack": m.haystack,
+            "profile": m.profile,
+            "cells": [dict(zip(("task", "tokens", "right", "asked"), c, strict=True))
+                      for c in m.cells], "line": m.line()}
+
+
 def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
            free_disk: int | None = None, settings: Any = _DEFAULTS,
            disk_folder: Path | str | None = None) -> dict[str, Any]:
@@ -518,6 +531,7 @@ def report(spec: Any, kv_type: str | None, free_dram: int, free_gpu: int | None,
         "disk_folder": None if disk_folder is None else str(disk_folder),
         "disk_reserve_bytes": DISK_RESERVE,
         "step_tokens": step_tokens(settings),
+        "measured": _measured(spec),
         "headroom": f"KV + {KV_MARGIN:.0%} + {OS_RESERVE // GIB} GiB for the OS"
                     + ("" if gpu else " + weights"),
         "disk_headroom": ("" if gpu else "weights + ") + f"{OS_RESERVE // GIB} GiB for the OS "

@@ -94,6 +94,10 @@ def memcheck(r: dict[str, Any], configured: dict[str, Any], written: str | None)
                      if dense else "LOCRET keeps its budget of it, placed within it."
                      if locret else "read with blocks: a decode step reads "
                      f"{r['step_tokens']:,} tokens, none from further, whatever the length."))
+    if r.get("measured"):
+        m = r["measured"]
+        out.print(f"measured answers of this model ({m['profile']} profile, {m['haystack']} "
+                  f"haystack; docs/benchmarks.md): {m['line']}.")
     loc = r["locret"]
     out.print(("attention LOCRET" if r["attention"] == "LOCRET" else
                "with attention LOCRET (profile locret)") + f": the KV holds {loc['budget']:,} "

@@ -30,6 +30,7 @@ import torch
 from ktlong import kernels, squeeze
 from ktlong.config import Settings
 from ktlong.kvstore import KVStore
+from ktlong.shift import rerotate, rotation
 from ktlong.spec import ModelSpec
 
 _NONE = np.zeros(0, np.int32)
@@ -415,7 +416,10 @@ class SelectionPolicy:
         layer gives every block the largest attention share any of its heads gives the
         block's keys; a block's vote is its best share over the rows, summed over the layers.
         A max, not SnapKV's sum: one question token that finds its match (a name, a number)
-        outvotes many that spread over look-alike sentences."""
+        outvotes many that spread over look-alike sentences. With question_votes NEAR each
+        block is voted on as it will be read, just before the local window (`near_votes`):
+        past a model's trained length the votes at true distances go to the document's first
+        blocks, whatever the question."""
         local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs
         cand = np.arange(self.n_init, local0, dtype=np.int32)
         if cand.size == 0:
@@ -427,6 +431,12 @@ class SelectionPolicy:
             if qw is None:
                 continue
             q = np.ascontiguousarray(qw.numpy()[:, -self.s.question_window:])  # [Hq, W, d]
+            if self.s.question_votes == "NEAR" and self.inv_freq is not None:  # as read
+                vote += near_votes(self.store, layer, q, n_tokens, local0, self.inv_freq,
+                                   float(self.scale))
+                if self.store.mapped:
+                    self.store.release_mapped()
+                continue
             W = q.shape[1]
             k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
             best = np.zeros(local0, np.float32)
@@ -478,6 +488,40 @@ class SelectionPolicy:
         # blocks past the cut will hold other tokens (a new turn, or a context shift's)
         self._preselected = {layer: pre[pre < full] for layer, pre in self._preselected.items()}
         self._pins = {layer: pins[pins < full] for layer, pins in self._pins.items()}
+
+
+NEAR_CHUNK = 64  # blocks a NEAR vote scores at once
+
+
+def near_votes(store: KVStore, layer: int, q: np.ndarray, n_tokens: int, local0: int,
+               inv_freq: np.ndarray, scale: float) -> np.ndarray:
+    """`[local0]` f32: for each block before the local window, the largest attention share
+    (summed over a KV head's query heads; the max over KV heads and query rows) that the
+    queries q `[Hq, W, d]` (the prompt's last W, at positions n_tokens - W ...) give its keys
+    when every such block is read just before the window (shifted by (local0 - 1 - b) blocks;
+    the query turned back instead) and the window's keys where they are, causally."""
+    hkv, bs = store.shape.n_kv_heads, store.shape.block_size
+    hq, w, d = q.shape
+    g = hq // hkv
+    qg = torch.from_numpy(q).float().reshape(hkv, g * w, d)  # rows (head in group, w)
+    freq = torch.from_numpy(inv_freq)
+    # the window's keys, at their own positions
+    k_loc, _ = store.token_range(layer, local0 * bs, n_tokens)  # [Hkv, n_loc, d]
+    s_loc = (qg @ k_loc.transpose(1, 2)) * scale  # [Hkv, gW, n_loc]
+    pos_q = (n_tokens - w + torch.arange(w)).repeat(g)  # [gW]
+    late = torch.arange(local0 * bs, n_tokens)[None] > pos_q[:, None]  # [gW, n_loc]
+    lse_loc = s_loc.masked_fill_(late, float("-inf")).logsumexp(-1)  # [Hkv, gW]
+    lse = torch.empty(local0, hkv, g * w)  # per block: log of its keys' summed weights
+    for b0 in range(0, local0, NEAR_CHUNK):
+        b1 = min(local0, b0 + NEAR_CHUNK)
+        k, _ = store.token_range(layer, b0 * bs, b1 * bs)  # [Hkv, c * bs, d]
+        k = k.reshape(hkv, b1 - b0, bs, d).transpose(0, 1)  # [c, Hkv, bs, d]
+        cos, sin = rotation(freq, -(local0 - 1 - torch.arange(b0, b1)) * bs)  # [c, rot]
+        qb = rerotate(qg[None].repeat(b1 - b0, 1, 1, 1), cos[:, None, None], sin[:, None, None])
+        lse[b0:b1] = ((qb @ k.transpose(-1, -2)) * scale).logsumexp(-1)  # [c, Hkv, gW]
+    total = torch.logaddexp(lse.logsumexp(0), lse_loc)  # [Hkv, gW]
+    share = (lse - total).exp_().reshape(local0, hkv, g, w).sum(2)  # [local0, Hkv, W]
+    return share.amax(dim=(1, 2)).numpy()
 
 
 def read_layout(step: Step, end: int, compact: bool, pins_last: bool

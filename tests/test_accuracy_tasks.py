@@ -230,6 +230,24 @@ def test_real_haystack_is_text_on_the_machine_with_the_facts_at_their_depths() -
     assert all(p in source for p in rest)  # every other paragraph is the machine's own text
 
 
+@pytest.mark.skipif(not Path("/usr/share/common-licenses").is_dir(),
+                    reason="needs Debian's license texts")
+def test_licenses_haystack_is_the_license_texts_alone_repeated_past_their_length() -> None:
+    from ktlong.bench import prose as real
+
+    licenses = real.sections(licenses_only=True)
+    assert licenses and set(licenses) < set(real.sections())  # Python's documentation is out
+    whole = "\n\n".join(licenses)
+    s = tasks.make_mixed(3, 120_000, {"passkey": 0.4, "needle": 0.8}, haystack="licenses")
+    paras = s.document.split("\n\n")
+    rest = [p for p in paras if p not in {f.sentence for f in s.facts}]
+    assert all(p in whole for p in rest)
+    assert len(s.document) > len(whole)  # longer than the texts: they repeat
+    assert len(rest) > len(set(rest))
+    for f in s.asked:
+        assert paras.count(f.sentence) == 1
+
+
 def test_bench_accuracy_peers_need_a_gguf(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["bench", "accuracy", "--profiles", "dense,llamacpp"])
     assert r.exit_code == 2 and "GGUF" in r.output, r.output

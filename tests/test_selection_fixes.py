@@ -7,7 +7,7 @@ import pytest
 
 from ktlong import kernels
 from ktlong.engine import Sampling
-from ktlong.selection import spread_choice, with_neighbours
+from ktlong.selection import near_votes, spread_choice, with_neighbours
 
 from .test_selection import _q, _session
 
@@ -57,6 +57,50 @@ def test_question_blocks_are_the_votes_best_and_read_at_every_step():
         assert np.all(np.diff(row) > 0)
         middle = [b for b in row.tolist() if 1 <= b < local0]
         assert set(pins.tolist()) <= set(middle) and len(middle) == 8
+
+
+def test_near_votes_score_each_block_as_if_read_just_before_the_local_window():
+    """question_votes NEAR: the question's vote equals, in float64 NumPy, the attention its
+    last queries give each block with the keys of every block before the window re-rotated
+    to the block just before it, the window's keys where they are."""
+    s = _session(anchor_type="MEAN", question_blocks=3, second_select_num=8,
+                 question_votes="NEAR")
+    pol, n = s.policy, len(s.tokens)
+    local0 = (n - LOCAL) // BS
+    W = s.settings.question_window
+    k_all = s.store.token_range(1, 0, n)[0].double().numpy()  # [Hkv, n, d]
+    g = s.lm.spec.n_heads // k_all.shape[0]
+    keys = k_all.copy()
+    for b in range(local0):
+        for j in range(k_all.shape[0]):
+            keys[j, b * BS:(b + 1) * BS] = _rope_turn(k_all[j, b * BS:(b + 1) * BS],
+                                                      pol.inv_freq, (local0 - 1 - b) * BS)
+    qw = s.router.captured[1].numpy()[:, -W:].astype(np.float64)  # [Hq, W, d]
+    want = np.zeros(local0)
+    for w in range(W):
+        pos = n - W + w
+        share = np.zeros((k_all.shape[0], local0))
+        for h in range(qw.shape[0]):
+            sc = float(pol.scale) * (keys[h // g, :pos + 1] @ qw[h, w])
+            p = np.exp(sc - np.logaddexp.reduce(sc))
+            share[h // g] += p[: local0 * BS].reshape(local0, BS).sum(1)
+        want = np.maximum(want, share.max(0))
+    got = near_votes(s.store, 1, np.ascontiguousarray(qw[:, :, :].astype(np.float32)), n, local0,
+                     pol.inv_freq, float(pol.scale))
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-6)
+    as_is = kernels.query_votes_ref(qw[:, -1:], *_layer_args(s, 1), n, pol.scale,
+                                    s.store.kv_kind)[:, : local0 * BS]
+    assert not np.allclose(as_is.reshape(-1, local0, BS).sum(2).max(0), got, rtol=0.05)
+    # the pins follow these votes, summed over the voting layers (here both)
+    vote = sum(near_votes(s.store, layer, s.router.captured[layer].numpy()[:, -W:], n, local0,
+                          pol.inv_freq, float(pol.scale)) for layer in range(2))
+    best = np.argsort(-vote[1:local0], kind="stable")[:3] + 1
+    assert pol._pins[0].tolist() == sorted(best.tolist())
+
+
+def _layer_args(s, layer):
+    k_base, _, k_tail, _, nb_base = s.store.kernel_args(layer)
+    return k_base, k_tail, nb_base
 
 
 def test_question_blocks_step_equals_attention_over_its_blocks():

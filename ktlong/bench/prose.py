@@ -19,13 +19,15 @@ LICENSES = Path("/usr/share/common-licenses")
 
 
 @cache
-def sections() -> tuple[str, ...]:
-    """Every section of every source, in a fixed order."""
+def sections(licenses_only: bool = False) -> tuple[str, ...]:
+    """Every section of every source, in a fixed order (`licenses_only`: the license texts)."""
     out: list[str] = []
     if LICENSES.is_dir():
         for f in sorted(LICENSES.iterdir()):
             if f.is_file() and not f.is_symlink():
                 out.append(f.read_text(errors="replace"))
+    if licenses_only:
+        return tuple(s.strip() for s in out if len(s.strip()) > 200)
     try:
         from pydoc_data.topics import topics
 

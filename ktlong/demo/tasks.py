@@ -4,7 +4,10 @@ A document is a haystack with facts put at chosen depths, each with its question
 haystack is filler (random sentences over a fixed word list; what the demo model was trained on)
 or, with `haystack="prose"`, a story told by a small grammar (ktlong.demo.prose); neither holds
 a digit. `haystack="real"` is text the project did not write (license texts, Python's own
-documentation: ktlong.bench.prose), for real models. The facts:
+documentation: ktlong.bench.prose), for real models; `"licenses"` is the license texts alone
+(legal prose, ~60K tokens, repeated past that), where a small model is not drawn into the
+technical text around (asked for the pass key amid Python's documentation, SmolLM2-135M
+describes a Python feature). The facts:
 - passkey: "The pass key is 71432. Remember it. 71432 is the pass key." (InfiniteBench's wording)
 - kv: records "The value of key amber is 40591." with distinct random keys; one is asked for.
   Several records per document, so the others are distractors (kv-retrieval).
@@ -25,7 +28,7 @@ from ktlong.demo import prose
 
 TASKS = ("passkey", "kv", "needle")  # the training mix, the demo and the bench's default
 ALL_TASKS = (*TASKS, "multineedle")  # what `bench accuracy --tasks` may ask
-HAYSTACKS = ("filler", "prose", "real")
+HAYSTACKS = ("filler", "prose", "real", "licenses")
 MULTI_NEEDLES = 4  # needles in a multineedle document
 
 FILLER = (
@@ -258,8 +261,8 @@ def _fill(rng: random.Random, facts: list[Fact], n_tokens: int,
           haystack: str = "filler") -> str:
     if haystack == "prose":
         return _fill_prose(rng, facts, n_tokens, count)
-    if haystack == "real":
-        return _fill_real(rng, facts, n_tokens, count)
+    if haystack in ("real", "licenses"):
+        return _fill_real(rng, facts, n_tokens, count, licenses_only=haystack == "licenses")
     if haystack != "filler":
         raise ValueError(f"unknown haystack {haystack!r}; known: {', '.join(HAYSTACKS)}")
     fact_tokens = sum(len(f.sentence.split()) for f in facts) / WORDS_PER_TOKEN
@@ -317,13 +320,14 @@ def _fill_prose(rng: random.Random, facts: list[Fact], n_tokens: int,
 
 
 def _fill_real(rng: random.Random, facts: list[Fact], n_tokens: int,
-               count: Callable[[str], int] | None) -> str:
+               count: Callable[[str], int] | None, licenses_only: bool = False) -> str:
     """Text the project did not write (ktlong.bench.prose: the license texts Debian ships,
-    Python's own documentation), its sections shuffled by `rng`, about `n_tokens` tokens (never
-    more with `count`), each fact a paragraph of its own at its depth."""
+    Python's own documentation; `licenses_only`: the license texts), its sections shuffled by
+    `rng`, about `n_tokens` tokens (never more with `count`), each fact a paragraph of its own
+    at its depth."""
     from ktlong.bench import prose as real
 
-    pool = list(real.sections())
+    pool = list(real.sections(licenses_only))
     rng.shuffle(pool)
     paras = [p.strip() for s in pool for p in s.split("\n\n") if p.strip()]
     size = count or (lambda t: len(t) // 4)

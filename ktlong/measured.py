@@ -1,0 +1,58 @@
+"""Answers measured on known models, quoted by memcheck beside the lengths they read with blocks.
+
+A length past a model's trained context fits in memory long before the model reads it well:
+memcheck says so with the figures `ktlong bench accuracy` gave on that model (the files in
+docs/results/ hold the runs; the tests check these figures against them). A model is known by
+its fingerprint (`ModelSpec.fingerprint`: the GGUF's tensors and metadata), not its file name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+TASK_NAMES = {"passkey": "pass key", "needle": "needle", "kv": "key-value"}
+
+
+@dataclass(frozen=True)
+class Measured:
+    model: str  # as the docs name it
+    results: tuple[str, ...]  # the runs' files in docs/results/
+    haystack: str  # bench accuracy's --haystack
+    profile: str
+    cells: tuple[tuple[str, int, int, int], ...]  # (task, length, right, asked)
+
+    def line(self) -> str:
+        """'pass key 9/10 at 4K, 1/10 at 16K; needle ...' in task order."""
+        tasks = list(dict.fromkeys(t for t, *_ in self.cells))
+        parts = []
+        for task in tasks:
+            got = [f"{r}/{n} at {_k(length)}" for t, length, r, n in self.cells if t == task]
+            parts.append(f"{TASK_NAMES.get(task, task)} " + ", ".join(got))
+        return "; ".join(parts)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+MEASURED: dict[str, Measured] = {
+    "d7967d3c7de85dcf": Measured(  # -m smollm2
+        "SmolLM2-135M-Instruct (Q4_1), trained at 8K",
+        ("accuracy-smollm2-licenses.json", "accuracy-smollm2-licenses-32k.json"),
+        "licenses", "default", (
+            ("passkey", 4096, 9, 10),
+            ("passkey", 7168, 8, 10),
+            ("passkey", 16384, 0, 10),
+            ("passkey", 32768, 0, 4),
+            ("needle", 4096, 8, 10),
+            ("needle", 7168, 7, 10),
+            ("needle", 16384, 2, 10),
+            ("needle", 32768, 0, 4),
+        )),
+}
+
+
+def for_spec(spec: Any) -> Measured | None:
+    """What was measured on this model, if anything."""
+    fingerprint = getattr(spec, "fingerprint", None)
+    return MEASURED.get(fingerprint) if isinstance(fingerprint, str) else None
