@@ -49,6 +49,17 @@ MEASURED: dict[str, Measured] = {
             ("needle", 16384, 2, 10),
             ("needle", 32768, 0, 4),
         )),
+    "f08236ad06c52a7a": Measured(  # -m gemma3-270m
+        "Gemma 3 270M (Q4_K_M), trained at 32K",
+        ("accuracy-gemma3-16k.json", "accuracy-gemma3-32k.json", "accuracy-gemma3-64k.json"),
+        "real", "default", (
+            ("passkey", 16384, 3, 6),
+            ("passkey", 32768, 0, 4),
+            ("passkey", 65536, 0, 4),
+            ("needle", 16384, 6, 6),
+            ("needle", 32768, 4, 4),
+            ("needle", 65536, 4, 4),
+        )),
 }
 
 
