@@ -35,31 +35,27 @@ def _k(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
 
+def _cells(lengths: tuple[int, ...], **answers: str) -> tuple[tuple[str, int, int, int], ...]:
+    """Cells from one "right/asked" per length for each task: passkey="9/10 8/10"."""
+    out = []
+    for task, text in answers.items():
+        for length, cell in zip(lengths, text.split(), strict=True):
+            right, asked = cell.split("/")
+            out.append((task, length, int(right), int(asked)))
+    return tuple(out)
+
+
 MEASURED: dict[str, Measured] = {
     "d7967d3c7de85dcf": Measured(  # -m smollm2
         "SmolLM2-135M-Instruct (Q4_1), trained at 8K",
-        ("accuracy-smollm2-licenses.json", "accuracy-smollm2-licenses-32k.json"),
-        "licenses", "default", (
-            ("passkey", 4096, 9, 10),
-            ("passkey", 7168, 8, 10),
-            ("passkey", 16384, 0, 10),
-            ("passkey", 32768, 0, 4),
-            ("needle", 4096, 8, 10),
-            ("needle", 7168, 7, 10),
-            ("needle", 16384, 2, 10),
-            ("needle", 32768, 0, 4),
-        )),
+        ("accuracy-smollm2-licenses.json", "accuracy-smollm2-licenses-32k.json"), "licenses",
+        "default", _cells((4096, 7168, 16384, 32768), passkey="9/10 8/10 0/10 0/4",
+                          needle="8/10 7/10 2/10 0/4")),
     "f08236ad06c52a7a": Measured(  # -m gemma3-270m
         "Gemma 3 270M (Q4_K_M), trained at 32K",
         ("accuracy-gemma3-16k.json", "accuracy-gemma3-32k.json", "accuracy-gemma3-64k.json"),
-        "real", "default", (
-            ("passkey", 16384, 3, 6),
-            ("passkey", 32768, 0, 4),
-            ("passkey", 65536, 0, 4),
-            ("needle", 16384, 6, 6),
-            ("needle", 32768, 4, 4),
-            ("needle", 65536, 4, 4),
-        )),
+        "real", "default", _cells((16384, 32768, 65536), passkey="3/6 0/4 0/4",
+                                  needle="6/6 4/4 4/4")),
 }
 
 
