@@ -316,3 +316,12 @@ def test_an_answer_may_break_the_copied_sentence_across_lines() -> None:
     assert tasks.is_correct(fact, "to follow  the northern lights")
     assert not tasks.is_correct(fact, "to follow the northern\n\nsky and its lights")
     assert not tasks.is_correct(fact, "follow the northernlights")
+
+
+def test_licenses_haystack_without_the_texts_is_one_clear_error(monkeypatch) -> None:
+    from ktlong.bench import prose as real
+    from ktlong.errors import KtlongError
+
+    monkeypatch.setattr(real, "sections", lambda licenses_only=False: ())
+    with pytest.raises(KtlongError, match="no prose found"):
+        tasks.make_mixed(1, 2000, {"passkey": 0.5}, haystack="licenses")

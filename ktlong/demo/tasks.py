@@ -328,6 +328,11 @@ def _fill_real(rng: random.Random, facts: list[Fact], n_tokens: int,
     from ktlong.bench import prose as real
 
     pool = list(real.sections(licenses_only))
+    if not pool:
+        from ktlong.errors import KtlongError
+
+        raise KtlongError(f"no prose found for this haystack ({real.LICENSES} is missing)",
+                          hint="use --haystack real or filler on this machine")
     rng.shuffle(pool)
     paras = [p.strip() for s in pool for p in s.split("\n\n") if p.strip()]
     size = count or (lambda t: len(t) // 4)
