@@ -118,7 +118,7 @@ try:
     )
     from .qlinear import dequant, dequant_rows, qgemv, qgemv_ref  # noqa: E402
     from .step import select_attend, select_attend_layer, select_attend_ref  # noqa: E402
-    from .votes import query_votes, query_votes_ref  # noqa: E402
+    from .votes import block_lse, query_votes, query_votes_ref, turn_blocks  # noqa: E402
 finally:
     numba.config.CACHE_DIR = _saved_cache_dir
 
@@ -129,12 +129,12 @@ KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
     "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "Turns", "anchor_view", "anchors_to_f64",
-    "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "cache_dir",
+    "attend_blocks", "attend_blocks_ref", "block_lse", "attend_layer", "auto_threads", "cache_dir",
     "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
     "dequant_rows", "f32_to_kv", "gated", "gated_ref", "gemv", "gemv_ref", "kv_to_f64", "layer_kv",
     "merge_partials", "merge_partials_ref", "prefill_index", "prefill_sparse", "q8_encode",
     "qgemv", "qgemv_ref", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref", "rope",
     "rope_ref", "rope_turns", "turned_ref", "score_blocks", "score_blocks_ref", "select_attend",
     "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash", "topk_blocks",
-    "topk_blocks_ref", "turned_back_ref", "window_attend", "window_attend_ref",
+    "topk_blocks_ref", "turn_blocks", "turned_back_ref", "window_attend", "window_attend_ref",
 ]

@@ -164,3 +164,37 @@ def query_votes_ref(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
             s = scale * (k[j, :pos + 1] @ qw[h, i].astype(np.float64))
             votes[j, :pos + 1] += np.exp(s - np.logaddexp.reduce(s))
     return votes
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
+def turn_blocks(k, cos, sin):
+    """Keys k [Hkv, c, bs, d] f32 turned in place, block i by (cos, sin) [c, h] (Llama's
+    rotate_half layout: channel f pairs with f + h; channels past 2h stay)."""
+    hkv, c, bs, _ = k.shape
+    h = cos.shape[1]
+    for item in prange(hkv * c):
+        j, i = item // c, item % c
+        for t in range(bs):
+            for f in range(h):
+                x1, x2 = k[j, i, t, f], k[j, i, t, f + h]
+                k[j, i, t, f] = x1 * cos[i, f] - x2 * sin[i, f]
+                k[j, i, t, f + h] = x2 * cos[i, f] + x1 * sin[i, f]
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=FASTMATH)
+def block_lse(sc, bs):
+    """Scores sc [Hkv, R, n] f32 -> [n // bs, Hkv, R] f32: each block's log-sum-exp."""
+    hkv, rows, n = sc.shape
+    nb = n // bs
+    out = np.empty((nb, hkv, rows), F32)
+    for item in prange(hkv * rows):
+        j, r = item // rows, item % rows
+        for b in range(nb):
+            m = NEG_INF
+            for t in range(b * bs, (b + 1) * bs):
+                m = max(m, sc[j, r, t])
+            tot = F32(0.0)
+            for t in range(b * bs, (b + 1) * bs):
+                tot += np.exp(sc[j, r, t] - m)
+            out[b, j, r] = m + np.log(tot) if m > NEG_INF else NEG_INF
+    return out

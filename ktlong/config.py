@@ -123,17 +123,20 @@ class Settings:
                               "token", 0)
     question_blocks: int = _f("int", 8, "sparse attention", "Blocks the question's last queries "
                               "attend to most, read by every layer at every step of the answer; "
-                              "taken from second_select_num (at most all of it)", 0)
+                              "taken from second_select_num (at most all of it); the question "
+                              "is read again with them", 0)
     question_window: int = _f("int", 16, "sparse attention", "question_blocks: last prompt "
                               "queries that vote", 1)
-    question_layers: int = _f("int", 4, "sparse attention", "question_blocks: layers that vote, "
-                              "evenly spaced; 0 = every layer", 0)
+    question_layers: int = _f("int", 0, "sparse attention", "question_blocks: layers that vote, "
+                              "evenly spaced; 0 = every layer while the votes read at most 4M "
+                              "keys in all (to 128K tokens at 32 layers), past that as many as "
+                              "they allow (at least 4)", 0)
     question_positions: str = _f("enum", "NEAR", "sparse attention", "question_blocks: NEAR "
                                  "reads them as if they sat just before the local window (the "
                                  "query turned back by each one's distance); AS_IS at their "
                                  "own positions (with block_positions COMPACT: in document "
                                  "order among the other blocks)", choices=("NEAR", "AS_IS"))
-    question_votes: str = _f("enum", "AS_IS", "sparse attention", "question_blocks: AS_IS "
+    question_votes: str = _f("enum", "NEAR", "sparse attention", "question_blocks: AS_IS "
                              "votes on each block at its own distance; NEAR as if it sat just "
                              "before the local window (the question's queries turned back by its "
                              "distance), so past the trained length the votes do not all go to "

@@ -356,6 +356,10 @@ class Session:
             self.evictor.active = first
         try:
             logits = self._forward(ids, progress, sparse=sparse, all_logits=all_logits)
+            if sparse and len(ids) > 1 and self._read_again(len(ids)):
+                cos = self.store.layer_cos_sum.copy(), self.store.layer_cos_tokens
+                logits = self._forward(ids, None, sparse=True, all_logits=all_logits)
+                self.store.layer_cos_sum, self.store.layer_cos_tokens = cos  # measured once
         finally:
             if self.evictor is not None:
                 self.evictor.active = False
@@ -372,6 +376,21 @@ class Session:
             threads=self.threads,
         )
         return logits
+
+    def _read_again(self, n_new: int) -> bool:
+        """After a sparse prefill of a question (a turn appended to a long context): when its
+        last queries picked the question's blocks (question_blocks), cut the turn off so that
+        it is read again with them, every token of it, and the answer's first token too. Read
+        once, the question's tokens were computed before they were chosen, so a fact they ask
+        about is read only by the answer's later tokens. False: nothing to read again."""
+        n0 = len(self.tokens) - n_new
+        if n_new > self.settings.local_windows_len:  # a document appended, not a question
+            return False
+        if not self.policy.pinned().size or (self.window is not None
+                                              and not self.window.can_truncate(n0)):
+            return False
+        self.truncate(n0)  # the pins stay: they lie before the turn
+        return True
 
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` the store already holds."""

@@ -542,6 +542,14 @@ class KVStore:
             self.check_resident()  # a dense sweep over mapped KV reads it segment by segment
         return kt, vt
 
+    def key_range(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """K of tokens [start, end) as a float32 tensor `[Hkv, end - start, d]` (a copy)."""
+        k, _ = self.row_range(layer, start, end, slice(None))
+        kt = from_storage(k, self.shape.kv_type)
+        if start < self.nb_base * self.shape.block_size or self.tier is not None:
+            self.check_resident()
+        return kt
+
     def kernel_views(self, layer: int) -> tuple[kernels.LayerKV, kernels.AnchorView]:
         """The layer's K/V and anchors as the kernels read them, made on first use (the arrays
         never change, so neither do they): a decode step skips a dozen NumPy checks and views."""

@@ -30,10 +30,11 @@ import torch
 from ktlong import kernels, squeeze
 from ktlong.config import Settings
 from ktlong.kvstore import KVStore
-from ktlong.shift import rerotate, rotation
+from ktlong.shift import rotation
 from ktlong.spec import ModelSpec
 
 _NONE = np.zeros(0, np.int32)
+VOTE_KEYS = 1 << 22  # question_layers 0: keys the question's votes read, summed over the layers
 
 
 @dataclass
@@ -426,7 +427,7 @@ class SelectionPolicy:
             self._pins = {}
             return
         vote = np.zeros(local0, np.float32)
-        for layer in self.voting_layers():
+        for layer in self.voting_layers(n_tokens):
             qw = captured.get(layer)
             if qw is None:
                 continue
@@ -463,11 +464,12 @@ class SelectionPolicy:
         question_blocks, or before a question on a long enough context)."""
         return next(iter(self._pins.values()), _NONE)
 
-    def voting_layers(self) -> list[int]:
+    def voting_layers(self, n_tokens: int) -> list[int]:
         """The layers whose queries pick the question's blocks: `question_layers` of the sparse
-        ones, evenly spaced (every one when there are no more)."""
+        ones, evenly spaced; with 0, every one while their votes read at most VOTE_KEYS keys in
+        all, else as many as that allows (at least 4)."""
         first, n = self.s.dense_layer_num, self.store.shape.n_layers
-        count = self.s.question_layers or n
+        count = self.s.question_layers or max(4, VOTE_KEYS // max(n_tokens, 1))
         if n - first <= count:
             return list(range(first, n))
         return sorted({int(round(x)) for x in np.linspace(first, n - 1, count)})
@@ -490,7 +492,7 @@ class SelectionPolicy:
         self._pins = {layer: pins[pins < full] for layer, pins in self._pins.items()}
 
 
-NEAR_CHUNK = 64  # blocks a NEAR vote scores at once
+NEAR_CHUNK = 256  # blocks a NEAR vote scores at once
 
 
 def near_votes(store: KVStore, layer: int, q: np.ndarray, n_tokens: int, local0: int,
@@ -498,15 +500,16 @@ def near_votes(store: KVStore, layer: int, q: np.ndarray, n_tokens: int, local0:
     """`[local0]` f32: for each block before the local window, the largest attention share
     (summed over a KV head's query heads; the max over KV heads and query rows) that the
     queries q `[Hq, W, d]` (the prompt's last W, at positions n_tokens - W ...) give its keys
-    when every such block is read just before the window (shifted by (local0 - 1 - b) blocks;
-    the query turned back instead) and the window's keys where they are, causally."""
+    when every such block is read just before the window (its keys turned forward by
+    (local0 - 1 - b) blocks, so one product scores a run of blocks) and the window's keys where
+    they are, causally."""
     hkv, bs = store.shape.n_kv_heads, store.shape.block_size
     hq, w, d = q.shape
     g = hq // hkv
     qg = torch.from_numpy(q).float().reshape(hkv, g * w, d)  # rows (head in group, w)
     freq = torch.from_numpy(inv_freq)
     # the window's keys, at their own positions
-    k_loc, _ = store.token_range(layer, local0 * bs, n_tokens)  # [Hkv, n_loc, d]
+    k_loc = store.key_range(layer, local0 * bs, n_tokens)  # [Hkv, n_loc, d]
     s_loc = (qg @ k_loc.transpose(1, 2)) * scale  # [Hkv, gW, n_loc]
     pos_q = (n_tokens - w + torch.arange(w)).repeat(g)  # [gW]
     late = torch.arange(local0 * bs, n_tokens)[None] > pos_q[:, None]  # [gW, n_loc]
@@ -514,11 +517,14 @@ def near_votes(store: KVStore, layer: int, q: np.ndarray, n_tokens: int, local0:
     lse = torch.empty(local0, hkv, g * w)  # per block: log of its keys' summed weights
     for b0 in range(0, local0, NEAR_CHUNK):
         b1 = min(local0, b0 + NEAR_CHUNK)
-        k, _ = store.token_range(layer, b0 * bs, b1 * bs)  # [Hkv, c * bs, d]
-        k = k.reshape(hkv, b1 - b0, bs, d).transpose(0, 1)  # [c, Hkv, bs, d]
-        cos, sin = rotation(freq, -(local0 - 1 - torch.arange(b0, b1)) * bs)  # [c, rot]
-        qb = rerotate(qg[None].repeat(b1 - b0, 1, 1, 1), cos[:, None, None], sin[:, None, None])
-        lse[b0:b1] = ((qb @ k.transpose(-1, -2)) * scale).logsumexp(-1)  # [c, Hkv, gW]
+        k = store.key_range(layer, b0 * bs, b1 * bs)  # [Hkv, c * bs, d]
+        cos, sin = rotation(freq, (local0 - 1 - torch.arange(b0, b1)) * bs)  # [c, rot]
+        h = cos.shape[1] // 2
+        kernels.turn_blocks(k.view(hkv, b1 - b0, bs, d).numpy(),
+                            np.ascontiguousarray(cos[:, :h].numpy()),
+                            np.ascontiguousarray(sin[:, :h].numpy()))
+        sc = (qg @ k.transpose(1, 2)) * scale  # [Hkv, gW, c * bs]
+        lse[b0:b1] = torch.from_numpy(kernels.block_lse(sc.numpy(), bs))  # [c, Hkv, gW]
     total = torch.logaddexp(lse.logsumexp(0), lse_loc)  # [Hkv, gW]
     share = (lse - total).exp_().reshape(local0, hkv, g, w).sum(2)  # [local0, Hkv, W]
     return share.amax(dim=(1, 2)).numpy()

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from numba.core import event
 
@@ -105,7 +106,8 @@ def parts(lm: Any, settings: Any) -> list[Part]:
     """What `warm_up` would run for this model and settings, in order."""
     s = settings
     local = bool(s.gpu_local_window and lm.device.type == "cuda")
-    votes = int(s.preselect_block) + 2 * int(s.question_blocks > 0)
+    votes = int(s.preselect_block) + 2 * int(s.question_blocks > 0) \
+        + 4 * int(s.question_blocks > 0 and s.question_votes == "NEAR")
     out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{votes}"
                 f"-nb{int(s.select_neighbours or s.spread_blocks > 0)}-local{int(local)}", "decode",
                 lambda: _attention(lm, s, None))]
@@ -316,6 +318,12 @@ def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
             policy.on_prefill_end(router.captured, n0)
             if prefill_kinds is not None:
                 continue
+            if ws.question_blocks and ws.question_votes == "NEAR":  # the question's vote
+                from ktlong.selection import near_votes
+
+                qw = q[:, -ws.question_window:].float().cpu().numpy()  # [Hq, W, d]
+                freq = 1.0 / 10000.0 ** (np.arange(0, d, 2) / d)  # [d/2]
+                near_votes(store, 1, qw, n0, (n0 - ws.local_windows_len) // bs, freq, scale)
             for _ in range(3):  # decode steps (a later turn's prefill goes the same way)
                 router.begin(sparse=True, capture=0, total=1)
                 q, k, v = qkv(1)

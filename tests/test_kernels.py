@@ -270,3 +270,26 @@ def test_query_votes_match_reference(kind, bs):
         assert votes.shape == (hkv, n_tokens) and votes.dtype == np.float32
         np.testing.assert_allclose(votes, ref, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(votes.sum(1), g * w, rtol=1e-4)  # each query's weights sum to 1
+
+
+def test_turn_blocks_turns_each_block_by_its_own_angle():
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((2, 5, 4, 12)).astype(np.float32)  # [Hkv, c, bs, d], rot 8 of 12
+    ang = rng.uniform(-3, 3, (5, 4))  # [c, h]
+    got = k.copy()
+    K.turn_blocks(got, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32))
+    want = k.astype(np.float64).copy()
+    for i in range(5):  # rotate_half: channel f pairs with f + 4
+        c, s = np.cos(ang[i]), np.sin(ang[i])
+        x1, x2 = k[:, i, :, :4].astype(np.float64), k[:, i, :, 4:8].astype(np.float64)
+        want[:, i, :, :4], want[:, i, :, 4:8] = x1 * c - x2 * s, x2 * c + x1 * s
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(got[..., 8:], k[..., 8:])  # past the rotary channels
+
+
+def test_block_lse_is_each_blocks_log_sum_exp():
+    rng = np.random.default_rng(8)
+    sc = (rng.standard_normal((3, 6, 40)) * 20).astype(np.float32)  # [Hkv, R, n], 5 blocks of 8
+    got = K.block_lse(sc, 8)  # [5, Hkv, R]
+    want = np.logaddexp.reduce(sc.astype(np.float64).reshape(3, 6, 5, 8), axis=-1)
+    np.testing.assert_allclose(got, want.transpose(2, 0, 1), rtol=1e-5, atol=1e-4)

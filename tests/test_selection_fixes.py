@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 
 from ktlong import kernels
 from ktlong.engine import Sampling
@@ -323,3 +326,57 @@ def test_spread_blocks_and_select_neighbours_are_one_or_the_other():
     with pytest.raises(KtlongError, match="spread_blocks and select_neighbours"):
         resolve_settings("default", {"spread_blocks": 8, "select_neighbours": True},
                          config_file=False)
+
+
+def _spy_votes(s):
+    """The pins after each prefill's vote, in order."""
+    votes, vote = [], s.policy.on_prefill_end
+
+    def spy(captured, n_tokens):
+        vote(captured, n_tokens)
+        votes.append(s.policy.pinned().copy())
+
+    s.policy.on_prefill_end = spy
+    return votes
+
+
+def test_a_question_is_read_again_with_the_blocks_it_voted_for():
+    """The question's blocks are voted at its end; the question is then read again with them,
+    so its tokens and the answer's first token (the prefill's logits) read them: the same K, V
+    and logits as the question read once with those blocks pinned before it."""
+    kw = dict(anchor_type="MEAN", question_blocks=3, second_select_num=8)
+    s, t = _session(**kw), _session(**kw)
+    n = len(s.tokens)
+    question = [int(x) for x in np.random.default_rng(5).integers(10, 200, 24)]
+    votes = _spy_votes(s)
+    logits = s.prefill(question)
+    assert len(votes) == 2 and votes[0].size == 3  # voted, read again, voted again
+    assert len(s.tokens) == n + 24 and s.store.length == n + 24  # stored once
+    assert s.policy.pinned().tolist() == votes[1].tolist()
+    t.policy._pins = {layer: votes[0] for layer in range(2)}
+    ref = t._forward(question, None, sparse=True)  # read once, the first vote's blocks pinned
+    torch.testing.assert_close(logits[-1], ref[-1])
+    for layer in range(2):
+        got, want = s.store.token_range(layer, n, n + 24), t.store.token_range(layer, n, n + 24)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+    # without the question's blocks, or for a turn longer than the local window, one reading
+    for kw2, m in ((dict(question_blocks=0), 24), ({}, LOCAL + 16)):
+        u = _session(**{**kw, **kw2})
+        votes = _spy_votes(u)
+        u.prefill(question * (m // 24) + question[: m % 24])
+        assert len(votes) == 1
+
+
+def test_every_layer_votes_while_the_votes_read_at_most_vote_keys():
+    from types import SimpleNamespace
+
+    from ktlong.selection import VOTE_KEYS
+
+    pol = _session(question_blocks=3, second_select_num=8).policy
+    pol.store = SimpleNamespace(shape=SimpleNamespace(n_layers=30))
+    assert pol.voting_layers(VOTE_KEYS // 30) == list(range(30))
+    assert len(pol.voting_layers(VOTE_KEYS // 10)) == 10
+    assert pol.voting_layers(1 << 30) == [0, 10, 19, 29]  # at least 4, evenly spaced
+    pol.s = dataclasses.replace(pol.s, question_layers=4)
+    assert pol.voting_layers(100) == [0, 10, 19, 29]

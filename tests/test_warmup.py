@@ -75,7 +75,7 @@ def _signatures() -> dict:
 
 def test_warm_up_covers_what_a_run_compiles():
     """After a Session's warm-up, a whole run (MInference prefill, votes, DYNAMIC anchors,
-    preselection, per-head selection, a second turn, a prompt-cache save and mapped load, GGUF
+    preselection, per-head selection, the question's blocks voted as they are read, a second turn, a prompt-cache save and mapped load, GGUF
     weights) meets no kernel signature the warm-up did not compile."""
     from ktlong.engine import Sampling, Session
     from ktlong.model import load_model
@@ -83,7 +83,8 @@ def test_warm_up_covers_what_a_run_compiles():
 
     lm = load_model(str(gguf_model("llama", "Q8_0")))
     st = settings(kv_type="BF16", anchor_type="DYNAMIC", preselect_block=True,
-                  prefill="MINFERENCE", head_select_mode="SEPARATE")
+                  prefill="MINFERENCE", head_select_mode="SEPARATE", question_blocks=2,
+                  question_votes="NEAR")
     s = Session(lm, st)
     before = _signatures()
     s.router.chunk_attention.dense_below = 0  # MInference from the first chunk
