@@ -1042,16 +1042,17 @@ def bench_agree(model: ModelOpt = None,
 
 
 @bench_app.command("plot")
-def bench_plot(result: Annotated[Path, typer.Argument(
-                   metavar="RESULT.json", show_default=False,
-                   help="What a `ktlong bench decode|e2e|accuracy|cache|prefill --json` printed.")],
+def bench_plot(results: Annotated[list[Path], typer.Argument(
+                   metavar="RESULT.json...", show_default=False,
+                   help="What a `ktlong bench decode|e2e|accuracy|cache|prefill --json` printed; "
+                        "several accuracy runs of one model and haystack are drawn as one.")],
                plot: Annotated[Path, typer.Option(
                    "--plot", metavar="FILE.png", show_default=False,
                    help="The PNG to write.")]) -> None:
     """Redraw a saved bench result as the bench's --plot would, without measuring again."""
     from ktlong.bench.plot import redraw
 
-    redraw(result, plot)
+    redraw(results, plot)
     typer.echo(f"wrote {plot}", err=True)
 
 

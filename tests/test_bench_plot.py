@@ -194,3 +194,27 @@ def test_json_names_its_bench(monkeypatch: pytest.MonkeyPatch,
     again = tmp_path / "again.png"
     plotting.draw(data, again)
     assert again.stat().st_size > 20_000
+
+
+def test_several_accuracy_runs_are_drawn_as_one(tmp_path: Path, monkeypatch) -> None:
+    """One run a length, drawn in one grid: every record of each, every command in the footer;
+    runs of another model, or another bench, are refused in one line."""
+    whole = _accuracy()
+    files = []
+    for length in (2048, 4096):
+        run = dict(whole, records=[r for r in whole["records"] if r["length"] == length],
+                   command=f"ktlong bench accuracy --lengths {length}")
+        files.append(tmp_path / f"{length}.json")
+        files[-1].write_text(json.dumps(run))
+    drawn = []
+    monkeypatch.setattr(accuracy, "plot", lambda data, path: drawn.append(data))
+    r = CliRunner().invoke(app, ["bench", "plot", *map(str, files), "--plot", "x.png"])
+    assert r.exit_code == 0, r.output
+    assert drawn[0]["records"] == whole["records"]
+    assert drawn[0]["command"] == ("ktlong bench accuracy --lengths 2048; "
+                                   "ktlong bench accuracy --lengths 4096")
+    for other, why in ((dict(whole, model="another"), "its model differs"),
+                       (_cache(), "only bench accuracy results are drawn together")):
+        files[1].write_text(json.dumps(other))
+        r = CliRunner().invoke(app, ["bench", "plot", *map(str, files), "--plot", "x.png"])
+        assert r.exit_code == 2 and why in r.output, r.output

@@ -75,8 +75,9 @@ def _signatures() -> dict:
 
 def test_warm_up_covers_what_a_run_compiles():
     """After a Session's warm-up, a whole run (MInference prefill, votes, DYNAMIC anchors,
-    preselection, per-head selection, the question's blocks voted as they are read, a second turn, a prompt-cache save and mapped load, GGUF
-    weights) meets no kernel signature the warm-up did not compile."""
+    preselection, per-head selection, the question's blocks voted as they are read, a second
+    turn, a prompt-cache save and mapped load, GGUF weights) meets no kernel signature the
+    warm-up did not compile."""
     from ktlong.engine import Sampling, Session
     from ktlong.model import load_model
     from ktlong.promptcache import open_document

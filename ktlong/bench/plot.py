@@ -153,17 +153,46 @@ def draw(data: dict[str, Any], path: Path | str) -> Any:
     return importlib.import_module(MODULES[bench]).plot(data, path)
 
 
-def redraw(result: Path, path: Path) -> Any:
-    """`ktlong bench plot RESULT.json --plot FILE.png`."""
+def _load(result: Path) -> Any:
     try:
         text = result.read_text()
     except OSError as e:
         raise KtlongError(f"{result}: {e.strerror or e}") from None
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         try:  # the JSON line after other output (a log line saved with it)
-            data = json.loads(text.strip().splitlines()[-1])
+            return json.loads(text.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
             raise KtlongError(f"{result}: not JSON ({e.msg} at line {e.lineno})") from None
+
+
+MERGE_KEYS = ("model", "haystack", "tasks", "lead")  # what runs drawn as one must share
+
+
+def merge(runs: list[Any], names: list[str]) -> dict[str, Any]:
+    """Several `bench accuracy --json` runs of one model, haystack and tasks (e.g. a length
+    each) as one result: their records and summaries, their commands one after another."""
+    for run, name in zip(runs, names, strict=True):
+        if not isinstance(run, dict) or run.get("bench") != "accuracy":
+            raise KtlongError(f"{name}: only bench accuracy results are drawn together",
+                              hint="give one RESULT.json for the other benches")
+    first = runs[0]
+    for run, name in zip(runs[1:], names[1:], strict=True):
+        for key in MERGE_KEYS:
+            if run.get(key) != first.get(key):
+                raise KtlongError(f"{name}: its {key} differs from {names[0]}'s",
+                                  hint="runs drawn as one share the model, haystack and tasks")
+    out = dict(first)
+    out["records"] = [r for run in runs for r in run.get("records", [])]
+    out["summary"] = [c for run in runs for c in run.get("summary", [])]
+    out["command"] = "; ".join(run.get("command", "") for run in runs)
+    return out
+
+
+def redraw(results: list[Path], path: Path) -> Any:
+    """`ktlong bench plot RESULT.json [MORE.json ...] --plot FILE.png` (several: accuracy runs
+    drawn as one)."""
+    runs = [_load(r) for r in results]
+    data = runs[0] if len(runs) == 1 else merge(runs, [str(r) for r in results])
     return draw(data, path)
