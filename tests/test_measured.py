@@ -24,7 +24,7 @@ def test_quoted_figures_are_the_recorded_runs() -> None:
             run = json.loads((RESULTS / name).read_text())
             assert run["haystack"] == m.haystack
             recorded |= {(c["task"], c["length"]): (c["right"], c["n"]) for c in run["summary"]
-                         if c["profile"] == m.profile}
+                         if c["profile"] == m.profile}  # a later run's cell replaces an earlier's
         assert {(t, n): (r, a) for t, n, r, a in m.cells} == recorded
 
 

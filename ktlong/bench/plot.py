@@ -132,9 +132,13 @@ def finish(fig: Any, path: Path | str, title: str, data: dict[str, Any]) -> Any:
     sub = subtitle(data, int(fig.get_figwidth() * 12.5))
     fig.suptitle(title + (f"\n{sub}" if sub else ""), fontsize=10)
     command = data.get("command") or ""
+    foot = 0.0  # share of the height the command's lines take (7 pt monospace, wrapped)
     if command:
         fig.text(0.01, 0.012, command, fontsize=7, family="monospace", va="bottom", wrap=True)
-    fig.tight_layout(rect=(0, 0.045 if command else 0, 1, 1))
+        w, h = fig.get_size_inches()
+        lines = -(-len(command) // max(40, int(w / 0.06)))  # ~0.06 in a character
+        foot = min(0.4, 0.02 + lines * 0.125 / h)  # ~0.125 in a line
+    fig.tight_layout(rect=(0, foot, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return fig

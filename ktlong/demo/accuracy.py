@@ -379,7 +379,9 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
         else:
             cax.set_axis_off()
     n_max = max((len(v) for v in per_cell.values()), default=0)
-    title = (f"accuracy by length and depth ({n_max} answers per task and length"
+    n_min = min((len(v) for v in per_cell.values()), default=0)
+    answers = f"{n_min}-{n_max}" if n_min < n_max else f"{n_max}"
+    title = (f"accuracy by length and depth ({answers} answers per task and length"
              + (f", profile {profiles[0]}" if rows == 1 and profiles else "")
              + (f", {data['haystack']} haystack" if data.get("haystack", "filler") != "filler"
                 else "")
