@@ -129,7 +129,7 @@ KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
     "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "Turns", "anchor_view", "anchors_to_f64",
-    "attend_blocks", "attend_blocks_ref", "block_lse", "attend_layer", "auto_threads", "cache_dir",
+    "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "block_lse", "cache_dir",
     "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
     "dequant_rows", "f32_to_kv", "gated", "gated_ref", "gemv", "gemv_ref", "kv_to_f64", "layer_kv",
     "merge_partials", "merge_partials_ref", "prefill_index", "prefill_sparse", "q8_encode",
