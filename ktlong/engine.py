@@ -87,6 +87,16 @@ def check_fits(spec: Any, settings: Settings, need: int, capacity: int | None = 
         memory.check_room(spec, settings, need, weights_in_dram=False)
 
 
+def kv_rows(settings: Settings, n_ids: int, first: int) -> int:
+    """KV rows a new session holds for `n_ids` tokens whose first `first` it reads in its first
+    prefill: under attention LOCRET that prefill keeps at most its budget and one chunk; every
+    other token holds a row."""
+    if settings.attention != "LOCRET":
+        return n_ids
+    first = min(first, n_ids)
+    return min(first, memory.locret_rows(settings)) + n_ids - first
+
+
 def position_embeddings(body: Any, h: torch.Tensor, pos: torch.Tensor) -> list[Any]:
     """Each layer's RoPE (cos, sin) for positions `pos` [1, C]: one table for all layers, or one
     per layer type where the model has several (Gemma 3: other bases for global and local)."""
@@ -230,7 +240,7 @@ class Session:
         """Refuse, before any work, a prompt the store cannot hold (never truncate silently).
         A LOCRET document holds at most its budget and one chunk at a time."""
         if self.evictor is not None and not self.tokens:
-            n_new = min(n_new, memory.locret_rows(self.settings))
+            n_new = kv_rows(self.settings, n_new, n_new)
         check_fits(self.lm.spec, self.settings, self.pos + n_new, self.store.capacity)
 
     def _chunk_len(self) -> int:

@@ -20,7 +20,9 @@ breaking OpenAI clients: `usage.dropped_messages` and `usage.dropped_tokens` (ex
 header `X-Ktlong-Dropped-Messages` (the count before the answer began, for a stream), and an SSE
 comment when a stream's answer drops more. Only when the system messages and the last user
 message alone do not fit is it a 400 `context_length_exceeded`, as always with `overflow: STOP`
-and for /v1/completions (a raw prompt has no turns to drop).
+and for /v1/completions (a raw prompt has no turns to drop). Under attention LOCRET the document
+(or a whole prompt read at once) counts as the rows it keeps, its budget: a document longer than
+max_seq_len is served.
 
 No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (`Request`,
 imported with FastAPI inside `Server._build`, so the module imports without the extra).
@@ -40,7 +42,7 @@ from ktlong import __version__
 from ktlong.config import Settings
 from ktlong.engine import Sampling, check_fits
 from ktlong.errors import KtlongError
-from ktlong.serving import Engine, Fitted, Job, Prompt, Renderer
+from ktlong.serving import Engine, Fitted, Job, Prompt, Renderer, prompt_rows
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4  # as OpenAI
@@ -305,7 +307,7 @@ class Server:
         room = min(params.sampling.max_new_tokens, st.max_new_tokens)
 
         def fit(limit: int) -> Fitted:
-            return self.renderer.fit(what, limit)
+            return self.renderer.fit(what, limit, lambda p: prompt_rows(st, p))
 
         return fit(st.max_seq_len - room), fit
 
@@ -321,8 +323,8 @@ class Server:
                 from None
         prompt: Prompt = fitted.prompt
         try:
-            check_fits(self.engine.lm.spec, self.engine.settings, len(prompt.ids),
-                       self.engine.settings.max_seq_len)
+            check_fits(self.engine.lm.spec, self.engine.settings,
+                       prompt_rows(self.engine.settings, prompt), self.engine.settings.max_seq_len)
         except KtlongError as e:
             more = (f" (without its {fitted.dropped} oldest messages: the system messages, "
                     "the served document and the last user message must fit)"

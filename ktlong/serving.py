@@ -129,16 +129,18 @@ class Renderer:
         ids = self._prefix_ids(head) if head else []
         return Prompt(ids + self.encode(rest), len(ids))
 
-    def fit(self, messages: list[dict[str, str]], limit: int) -> Fitted:
+    def fit(self, messages: list[dict[str, str]], limit: int,
+            rows: Callable[[Prompt], int] = lambda p: len(p.ids)) -> Fitted:
         """`chat(messages)` without as few of the oldest turns as leave it at most `limit`
-        tokens (all of them when even that is too long: the caller checks the length). A turn
+        KV rows (`rows`: its tokens, unless the session keeps fewer; all of the turns when even
+        that is too long: the caller checks the length). A turn
         is a user message and the messages after it up to the next user message (an assistant
         message before the first user message is one too); system messages, the `-f` document
         and the last user message with what follows it are never left out."""
         with self._lock:
             msgs = [dict(m) for m in messages]
             full = self._chat(msgs)
-            if len(full.ids) <= limit:
+            if rows(full) <= limit:
                 return Fitted(full)
             rest = [i for i, m in enumerate(msgs) if m["role"] != "system"]
             cuts = [k for k, i in enumerate(rest) if k > 0 and msgs[i]["role"] == "user"]
@@ -153,7 +155,7 @@ class Renderer:
             while lo <= hi:
                 mid = (lo + hi) // 2
                 p = without(cuts[mid])
-                if len(p.ids) <= limit:
+                if rows(p) <= limit:
                     best, hi = (cuts[mid], p), mid - 1
                 else:
                     lo = mid + 1
@@ -184,6 +186,14 @@ class Renderer:
             head = self._prefix_ids(self.document + SEP, special=True)
             return Prompt(head + self.encode(prompt), len(head))
         return Prompt(self.encode(prompt, special=True))
+
+
+def prompt_rows(settings: Any, prompt: Prompt) -> int:
+    """KV rows a new session needs for `prompt`: its document prefix (or the whole prompt, when
+    it has none) is read first, which attention LOCRET keeps to its budget."""
+    from ktlong.engine import kv_rows
+
+    return kv_rows(settings, len(prompt.ids), prompt.prefix or len(prompt.ids))
 
 
 def _system_into_user(msgs: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -427,7 +437,8 @@ class Engine:
         from ktlong.engine import check_fits
 
         ids, p = job.prompt.ids, job.prompt.prefix
-        check_fits(self.lm.spec, self.settings, len(ids), self.settings.max_seq_len)
+        check_fits(self.lm.spec, self.settings, prompt_rows(self.settings, job.prompt),
+                   self.settings.max_seq_len)
         progress = self._progress(job)
         disk = self.use_cache and p >= CACHE_MIN_TOKENS
         s, shifted = self.session, 0

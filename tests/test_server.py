@@ -556,6 +556,39 @@ def test_overflow_stop_and_what_cannot_fit_keep_the_400(lm, tmp_path) -> None:
         assert out.usage.dropped_messages > 0 and out.choices[0].finish_reason
 
 
+def test_locret_serves_a_document_longer_than_max_seq_len(lm, tmp_path) -> None:
+    """Under attention LOCRET the document counts as the rows it keeps: a 1,600-token document
+    is served with max_seq_len 1,024, and the answer is a session's that read the document,
+    then the question; the same server without LOCRET refuses it."""
+    st = {**ST, "attention": "LOCRET", "prefill": "DENSE", "locret_scores": "ATTENTION",
+          "locret_budget": 256, "locret_stabilisers": 32, "chunk_size": 128, "max_seq_len": 1024}
+    msgs = doc_msgs("What is the pass key?")
+    ids = chat_ids(lm, msgs)
+    prefix = server_mod.Renderer(lm.tokenizer).chat(msgs).prefix
+    assert len(ids) > 1024 and prefix >= CACHE_MIN_TOKENS
+    s = Session(lm, settings(**st))
+    s.prefill(ids[:prefix])  # the server reads the document first (it goes to the prompt cache)
+    s.prefill(ids[prefix:])
+    want = "".join(step.text for step in s.generate(Sampling(max_new_tokens=NEW)))
+    assert len(s.store.lengths) and max(s.store.lengths) <= 1024 < len(s.tokens)
+    for kind in ("LOCRET", "DENSE"):
+        srv = server_mod.build(lm, settings(**{**st, "attention": kind}), cache_dir=tmp_path)
+        with server_mod.Running(srv) as r:
+            resp = httpx.post(f"{r.url}/v1/chat/completions", timeout=120, json={
+                "model": srv.model_id, "messages": msgs, "max_tokens": NEW})
+            raw = httpx.post(f"{r.url}/v1/completions", timeout=120, json={
+                "model": srv.model_id, "prompt": DOC, "max_tokens": 2})
+        if kind == "DENSE":
+            assert resp.status_code == raw.status_code == 400
+            assert resp.json()["error"]["code"] == "context_length_exceeded"
+            continue
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        assert out["usage"]["prompt_tokens"] == len(ids) and out["usage"]["dropped_messages"] == 0
+        assert out["choices"][0]["message"]["content"] == want
+        assert raw.status_code == 200, raw.text  # a raw prompt read at once within the budget
+
+
 def test_fit_drops_whole_turns_never_system_or_the_last_question(lm) -> None:
     r = Renderer(lm.tokenizer)
     msgs = [{"role": "system", "content": SHORT_DOC}, {"role": "assistant", "content": "Hi."}]
