@@ -422,6 +422,45 @@ def load_f32(typingctx, addr):
 
 
 @intrinsic
+def load_f16(typingctx, addr):
+    """The float16 at integer address `addr` (any alignment), as float32."""
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.HalfType().as_pointer())
+        return builder.fpext(builder.load(p, align=1), ir.FloatType())
+    return types.float32(addr), codegen
+
+
+def _splat_i32(builder, x):
+    vty = ir.VectorType(_I32, W)
+    v = builder.insert_element(ir.Constant(vty, None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, None), ir.Constant(vty, [0] * W))
+
+
+@intrinsic
+def vbits(typingctx, addr, shift, mask):
+    """(byte >> shift) & mask of the W bytes at integer address `addr`, as float32 lanes (a
+    quantised weight's codes: nibbles, Q6_K's high bits)."""
+    def codegen(context, builder, sig, args):
+        b = builder.load(builder.inttoptr(args[0], ir.VectorType(ir.IntType(8), W).as_pointer()),
+                         align=1)
+        v = builder.zext(b, ir.VectorType(_I32, W))
+        sh = _splat_i32(builder, context.cast(builder, args[1], sig.args[1], types.int32))
+        m = _splat_i32(builder, context.cast(builder, args[2], sig.args[2], types.int32))
+        return builder.sitofp(builder.and_(builder.lshr(v, sh), m), _VEC)
+    return vec(addr, shift, mask), codegen
+
+
+@intrinsic
+def vsbytes(typingctx, addr):
+    """The W signed bytes at integer address `addr`, as float32 lanes (Q8_0's codes)."""
+    def codegen(context, builder, sig, args):
+        b = builder.load(builder.inttoptr(args[0], ir.VectorType(ir.IntType(8), W).as_pointer()),
+                         align=1)
+        return builder.sitofp(builder.sext(b, ir.VectorType(_I32, W)), _VEC)
+    return vec(addr), codegen
+
+
+@intrinsic
 def store_f32(typingctx, addr, x):
     """Write the float32 x at integer address `addr` (any alignment)."""
     if x != types.float32:

@@ -11,8 +11,11 @@ mins, Q6_K's -32) costs one multiply by a sum of x computed once per call, not o
 
 With AVX512-VNNI (`_qgemv_vnni`) x is rounded to int8 once per call and laid out for the steps of
 kernels/_qvec.py; rows go four at a time, sharing each load of x, with four independent
-accumulators and one horizontal sum for the four. Otherwise `_qgemv` works in float32, a row at a
-time. `qgemv_ref` is the NumPy reference of both.
+accumulators and one horizontal sum for the four. Otherwise (AVX2) `_qgemv` works in float32, a
+row at a time: W codes at a time are widened to float32 lanes in registers (`vbits`, `vsbytes`)
+and meet x in one `fma`; each block's vector is scaled into the row's accumulator, summed once
+at its end (Q5_0, Q5_1 and Q5_K go element by element). `qgemv_ref` is the NumPy reference of
+both.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from numba.extending import overload
 
 from ._qvec import VNNI, absmax16, codes16, hsum4, ldv, q4k_step, q5k_step, q6k_step, step32
 from ._simd import F32, FASTMATH, readonly, to_bf16, to_f32
-from ._vec import prefetch, vzero
+from ._vec import W, load_f16, prefetch, vbits, vfma, vhsum, vload, vsbytes, vsplat, vzero
 from .threads import use_threads
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
@@ -69,52 +72,51 @@ def _scale_min1(w, o, j):
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _half(w, r, o):
-    """The f16 at byte o of row r, as float32."""
-    return _half1(w[r], o)
+    """The f16 at byte o of row r, as float32 (no row view: a view costs atomic refcounts)."""
+    return to_f32(np.int16(np.uint16(w[r, o]) | (np.uint16(w[r, o + 1]) << np.uint16(8))))
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _scale_min(w, r, o, j):
     """6-bit scale and min of K-quant sub-block j (scale field at byte o of row r)."""
-    return _scale_min1(w[r], o, j)
+    if j < 4:
+        return F32(w[r, o + j] & 63), F32(w[r, o + j + 4] & 63)
+    sc = (w[r, o + j + 4] & 15) | ((w[r, o + j - 4] >> 6) << 4)
+    m = (w[r, o + j + 4] >> 4) | ((w[r, o + j] >> 6) << 4)
+    return F32(sc), F32(m)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot_q8_0(w, r, x, xs):
-    acc = F32(0)
-    for b in range(x.shape[0] // 32):
-        o, xo = b * 34, b * 32
-        s = F32(0)
-        for i in range(32):
-            s += F32(np.int8(w[r, o + 2 + i])) * x[xo + i]
-        acc += _half(w, r, o) * s
-    return acc
+def _dot_q8_0(ra, x2):
+    """Row at address ra . x2 [1, K]: Q8_0."""
+    acc = vzero()
+    for b in range(x2.shape[1] // 32):
+        o = ra + 34 * b
+        s = vzero()
+        for t in range(0, 32, W):
+            s = vfma(vsbytes(o + 2 + t), vload(x2, 0, 32 * b + t), s)
+        acc = vfma(vsplat(load_f16(o)), s, acc)
+    return vhsum(acc)
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot_q4_0(w, r, x, xs):
-    acc = F32(0)
-    for b in range(x.shape[0] // 32):
-        o, xo = b * 18, b * 32
-        s = F32(0)
-        for i in range(16):
-            q = w[r, o + 2 + i]
-            s += F32(q & 15) * x[xo + i] + F32(q >> 4) * x[xo + 16 + i]
-        acc += _half(w, r, o) * (s - F32(8) * (xs[2 * b] + xs[2 * b + 1]))
-    return acc
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def _dot_q4_1(w, r, x, xs):
-    acc = F32(0)
-    for b in range(x.shape[0] // 32):
-        o, xo = b * 20, b * 32
-        s = F32(0)
-        for i in range(16):
-            q = w[r, o + 4 + i]
-            s += F32(q & 15) * x[xo + i] + F32(q >> 4) * x[xo + 16 + i]
-        acc += _half(w, r, o) * s + _half(w, r, o + 2) * (xs[2 * b] + xs[2 * b + 1])
-    return acc
+def _dot_q4_01(ra, x2, xs, one):
+    """Row at address ra . x2 [1, K]: Q4_0, or with `one` Q4_1 (xs: x's sums per 16)."""
+    nb = 20 if one else 18
+    acc = vzero()
+    rest = F32(0)  # the blocks' constant terms
+    for b in range(x2.shape[1] // 32):
+        o = ra + nb * b
+        qo = o + (4 if one else 2)
+        s = vzero()
+        for t in range(0, 16, W):
+            s = vfma(vbits(qo + t, 0, 15), vload(x2, 0, 32 * b + t), s)
+            s = vfma(vbits(qo + t, 4, 15), vload(x2, 0, 32 * b + 16 + t), s)
+        d = load_f16(o)
+        acc = vfma(vsplat(d), s, acc)
+        xsb = xs[2 * b] + xs[2 * b + 1]
+        rest += load_f16(o + 2) * xsb if one else F32(-8) * d * xsb
+    return vhsum(acc) + rest
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -140,8 +142,30 @@ def _dot_q5_01(w, r, x, xs, one):
 
 
 @njit(fastmath=FASTMATH, cache=True)
+def _dot_q4_k(w, r, ra, x2, xs):
+    """Row r (at address ra) . x2 [1, K]: Q4_K."""
+    acc = vzero()
+    rest = F32(0)  # the sub-blocks' mins
+    for b in range(x2.shape[1] // 256):
+        o = 144 * b
+        d, dmin = load_f16(ra + o), load_f16(ra + o + 2)
+        for c in range(4):
+            qo, xo = ra + o + 16 + 32 * c, b * 256 + 64 * c
+            s0, s1 = vzero(), vzero()
+            for t in range(0, 32, W):
+                s0 = vfma(vbits(qo + t, 0, 15), vload(x2, 0, xo + t), s0)
+                s1 = vfma(vbits(qo + t, 4, 15), vload(x2, 0, xo + 32 + t), s1)
+            sc0, m0 = _scale_min(w, r, o + 4, 2 * c)
+            sc1, m1 = _scale_min(w, r, o + 4, 2 * c + 1)
+            acc = vfma(vsplat(d * sc0), s0, vfma(vsplat(d * sc1), s1, acc))
+            j = b * 16 + 4 * c
+            rest -= dmin * (m0 * (xs[j] + xs[j + 1]) + m1 * (xs[j + 2] + xs[j + 3]))
+    return vhsum(acc) + rest
+
+
+@njit(fastmath=FASTMATH, cache=True)
 def _dot_q45_k(w, r, x, xs, five):
-    """Q4_K, or with `five` Q5_K (a fifth bit per value from qh)."""
+    """Q5_K (and Q4_K without `five`), element by element."""
     acc = F32(0)
     for b in range(x.shape[0] // 256):
         o = b * (176 if five else 144)
@@ -166,45 +190,46 @@ def _dot_q45_k(w, r, x, xs, five):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot_q6_k(w, r, x, xs):
-    acc = F32(0)
-    for b in range(x.shape[0] // 256):
-        o = b * 210
-        d = _half(w, r, o + 208)
-        t = F32(0)
+def _dot_q6_k(w, r, ra, x2, xs):
+    """Row r (at address ra) . x2 [1, K]: Q6_K."""
+    acc = vzero()
+    rest = F32(0)  # the codes' -32
+    sixteen = vsplat(F32(16))
+    for b in range(x2.shape[1] // 256):
+        o = 210 * b
+        d = load_f16(ra + o + 208)
         for h in range(2):
             for c in range(4):
-                lo, ho, xo = o + 64 * h + 32 * (c & 1), o + 128 + 32 * h, b * 256 + 128 * h + 32 * c
-                ls, hs = 4 * (c >> 1), 2 * c
-                s0 = s1 = F32(0)
-                for i in range(16):
-                    q0 = ((w[r, lo + i] >> ls) & 15) | (((w[r, ho + i] >> hs) & 3) << 4)
-                    q1 = ((w[r, lo + 16 + i] >> ls) & 15) | (((w[r, ho + 16 + i] >> hs) & 3) << 4)
-                    s0 += F32(q0) * x[xo + i]
-                    s1 += F32(q1) * x[xo + 16 + i]
-                j = b * 16 + 8 * h + 2 * c  # sub-block of 16 (and its x sum)
-                sc0, sc1 = F32(np.int8(w[r, o + 192 + j - b * 16])), F32(
-                    np.int8(w[r, o + 193 + j - b * 16]))
-                t += sc0 * (s0 - F32(32) * xs[j]) + sc1 * (s1 - F32(32) * xs[j + 1])
-        acc += d * t
-    return acc
+                lo, hi = ra + o + 64 * h + 32 * (c & 1), ra + o + 128 + 32 * h
+                xo, ls, hs = b * 256 + 128 * h + 32 * c, 4 * (c >> 1), 2 * c
+                s0, s1 = vzero(), vzero()
+                for t in range(0, 16, W):
+                    q0 = vfma(vbits(hi + t, hs, 3), sixteen, vbits(lo + t, ls, 15))
+                    q1 = vfma(vbits(hi + 16 + t, hs, 3), sixteen, vbits(lo + 16 + t, ls, 15))
+                    s0 = vfma(q0, vload(x2, 0, xo + t), s0)
+                    s1 = vfma(q1, vload(x2, 0, xo + 16 + t), s1)
+                j = 8 * h + 2 * c  # sub-block of 16 (and its x sum)
+                sc0 = d * F32(np.int8(w[r, o + 192 + j]))
+                sc1 = d * F32(np.int8(w[r, o + 193 + j]))
+                acc = vfma(vsplat(sc0), s0, vfma(vsplat(sc1), s1, acc))
+                rest -= F32(32) * (sc0 * xs[b * 16 + j] + sc1 * xs[b * 16 + j + 1])
+    return vhsum(acc) + rest
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _dot(w, qtype, r, x, xs):
+def _dot(w, qtype, r, x, x2, xs):
+    ra = w.ctypes.data + r * w.strides[0]
     if qtype == Q4_K:
-        return _dot_q45_k(w, r, x, xs, False)
+        return _dot_q4_k(w, r, ra, x2, xs)
     if qtype == Q6_K:
-        return _dot_q6_k(w, r, x, xs)
+        return _dot_q6_k(w, r, ra, x2, xs)
     if qtype == Q8_0:
-        return _dot_q8_0(w, r, x, xs)
+        return _dot_q8_0(ra, x2)
     if qtype == Q5_K:
         return _dot_q45_k(w, r, x, xs, True)
-    if qtype == Q4_1:
-        return _dot_q4_1(w, r, x, xs)
     if qtype == Q5_0 or qtype == Q5_1:
         return _dot_q5_01(w, r, x, xs, qtype == Q5_1)
-    return _dot_q4_0(w, r, x, xs)
+    return _dot_q4_01(ra, x2, xs, qtype == Q4_1)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -212,10 +237,11 @@ def _qgemv(w, qtype, x):
     # w [N, row_bytes] u8; x [K] f32 -> [N] f32
     n = w.shape[0]
     xs = _xsums(x)
+    x2 = x.reshape(1, x.shape[0])  # [1, K]: rows of W lanes for vload
     out = np.empty(n, F32)
     for it in prange((n + RB - 1) // RB):
         for r in range(it * RB, min(n, it * RB + RB)):
-            out[r] = _dot(w, qtype, r, x, xs)
+            out[r] = _dot(w, qtype, r, x, x2, xs)
     return out
 
 
