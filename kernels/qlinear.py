@@ -233,12 +233,16 @@ def _dot(w, qtype, r, x, x2, xs):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _qgemv(w, qtype, x):
-    # w [N, row_bytes] u8; x [K] f32 -> [N] f32
+def _qgemv(w, qtype, x, serial=False):
+    # w [N, row_bytes] u8; x [K] f32 -> [N] f32. `serial`: on the calling thread alone
     n = w.shape[0]
     xs = _xsums(x)
     x2 = x.reshape(1, x.shape[0])  # [1, K]: rows of W lanes for vload
     out = np.empty(n, F32)
+    if serial:
+        for r in range(n):
+            out[r] = _dot(w, qtype, r, x, x2, xs)
+        return out
     for it in prange((n + RB - 1) // RB):
         for r in range(it * RB, min(n, it * RB + RB)):
             out[r] = _dot(w, qtype, r, x, x2, xs)
@@ -605,7 +609,7 @@ def qgemv(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = Non
         rows = max(16, min(256, n // (8 * threads) // 4 * 4))
         _qgemv_vnni(w, qtype, readonly(x, _F32), out, rows, threads == 1 or w.nbytes < SERIAL_BYTES)
     else:
-        out[:] = _qgemv(w, qtype, readonly(x, _F32))
+        out[:] = _qgemv(w, qtype, readonly(x, _F32), threads == 1 or w.nbytes < SERIAL_BYTES)
     return out
 
 

@@ -82,6 +82,8 @@ def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
     # the float path: exact up to float32 sums
     got = qk._qgemv(qk.readonly(raw), t.ggml, x)
     np.testing.assert_allclose(got, wd @ x, rtol=1e-4, atol=1e-5 * np.abs(wd @ x).max())
+    # a small matrix on the calling thread alone: the same sums, row by row
+    np.testing.assert_array_equal(qk._qgemv(qk.readonly(raw), t.ggml, x, True), got)
     if not qk.VNNI:
         return
     # the int8 path: exactly W times x rounded to int8 (per 32 channels, per 256 for K-quants) ...
