@@ -72,18 +72,14 @@ def _scale_min1(w, o, j):
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _half(w, r, o):
-    """The f16 at byte o of row r, as float32 (no row view: a view costs atomic refcounts)."""
-    return to_f32(np.int16(np.uint16(w[r, o]) | (np.uint16(w[r, o + 1]) << np.uint16(8))))
+    """The f16 at byte o of row r, as float32."""
+    return _half1(w[r], o)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _scale_min(w, r, o, j):
     """6-bit scale and min of K-quant sub-block j (scale field at byte o of row r)."""
-    if j < 4:
-        return F32(w[r, o + j] & 63), F32(w[r, o + j + 4] & 63)
-    sc = (w[r, o + j + 4] & 15) | ((w[r, o + j - 4] >> 6) << 4)
-    m = (w[r, o + j + 4] >> 4) | ((w[r, o + j] >> 6) << 4)
-    return F32(sc), F32(m)
+    return _scale_min1(w[r], o, j)
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -142,8 +138,8 @@ def _dot_q5_01(w, r, x, xs, one):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot_q4_k(w, r, ra, x2, xs):
-    """Row r (at address ra) . x2 [1, K]: Q4_K."""
+def _dot_q4_k(wr, ra, x2, xs):
+    """Row wr [row_bytes] (at address ra) . x2 [1, K]: Q4_K."""
     acc = vzero()
     rest = F32(0)  # the sub-blocks' mins
     for b in range(x2.shape[1] // 256):
@@ -155,8 +151,8 @@ def _dot_q4_k(w, r, ra, x2, xs):
             for t in range(0, 32, W):
                 s0 = vfma(vbits(qo + t, 0, 15), vload(x2, 0, xo + t), s0)
                 s1 = vfma(vbits(qo + t, 4, 15), vload(x2, 0, xo + 32 + t), s1)
-            sc0, m0 = _scale_min(w, r, o + 4, 2 * c)
-            sc1, m1 = _scale_min(w, r, o + 4, 2 * c + 1)
+            sc0, m0 = _scale_min1(wr, o + 4, 2 * c)
+            sc1, m1 = _scale_min1(wr, o + 4, 2 * c + 1)
             acc = vfma(vsplat(d * sc0), s0, vfma(vsplat(d * sc1), s1, acc))
             j = b * 16 + 4 * c
             rest -= dmin * (m0 * (xs[j] + xs[j + 1]) + m1 * (xs[j + 2] + xs[j + 3]))
@@ -164,21 +160,19 @@ def _dot_q4_k(w, r, ra, x2, xs):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot_q45_k(w, r, x, xs, five):
-    """Q5_K (and Q4_K without `five`), element by element."""
+def _dot_q5_k(w, r, x, xs):
+    """Q5_K, element by element (a fifth bit per value from qh)."""
     acc = F32(0)
     for b in range(x.shape[0] // 256):
-        o = b * (176 if five else 144)
+        o = b * 176
         d, dmin = _half(w, r, o), _half(w, r, o + 2)
         for c in range(4):
-            qo, xo = o + (48 if five else 16) + 32 * c, b * 256 + 64 * c
+            qo, xo = o + 48 + 32 * c, b * 256 + 64 * c
             s0 = s1 = F32(0)
             for i in range(32):
                 q = w[r, qo + i]
-                h0 = h1 = 0
-                if five:
-                    h = w[r, o + 16 + i] >> (2 * c)
-                    h0, h1 = (h & 1) << 4, (h & 2) << 3
+                h = w[r, o + 16 + i] >> (2 * c)
+                h0, h1 = (h & 1) << 4, (h & 2) << 3
                 s0 += F32((q & 15) | h0) * x[xo + i]
                 s1 += F32((q >> 4) | h1) * x[xo + 32 + i]
             sc0, m0 = _scale_min(w, r, o + 4, 2 * c)
@@ -190,8 +184,8 @@ def _dot_q45_k(w, r, x, xs, five):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _dot_q6_k(w, r, ra, x2, xs):
-    """Row r (at address ra) . x2 [1, K]: Q6_K."""
+def _dot_q6_k(wr, ra, x2, xs):
+    """Row wr [row_bytes] (at address ra) . x2 [1, K]: Q6_K."""
     acc = vzero()
     rest = F32(0)  # the codes' -32
     sixteen = vsplat(F32(16))
@@ -209,8 +203,8 @@ def _dot_q6_k(w, r, ra, x2, xs):
                     s0 = vfma(q0, vload(x2, 0, xo + t), s0)
                     s1 = vfma(q1, vload(x2, 0, xo + 16 + t), s1)
                 j = 8 * h + 2 * c  # sub-block of 16 (and its x sum)
-                sc0 = d * F32(np.int8(w[r, o + 192 + j]))
-                sc1 = d * F32(np.int8(w[r, o + 193 + j]))
+                sc0 = d * F32(np.int8(wr[o + 192 + j]))
+                sc1 = d * F32(np.int8(wr[o + 193 + j]))
                 acc = vfma(vsplat(sc0), s0, vfma(vsplat(sc1), s1, acc))
                 rest -= F32(32) * (sc0 * xs[b * 16 + j] + sc1 * xs[b * 16 + j + 1])
     return vhsum(acc) + rest
@@ -220,13 +214,13 @@ def _dot_q6_k(w, r, ra, x2, xs):
 def _dot(w, qtype, r, x, x2, xs):
     ra = w.ctypes.data + r * w.strides[0]
     if qtype == Q4_K:
-        return _dot_q4_k(w, r, ra, x2, xs)
+        return _dot_q4_k(w[r], ra, x2, xs)  # one row view a row, for its scale bytes
     if qtype == Q6_K:
-        return _dot_q6_k(w, r, ra, x2, xs)
+        return _dot_q6_k(w[r], ra, x2, xs)
     if qtype == Q8_0:
         return _dot_q8_0(ra, x2)
     if qtype == Q5_K:
-        return _dot_q45_k(w, r, x, xs, True)
+        return _dot_q5_k(w, r, x, xs)
     if qtype == Q5_0 or qtype == Q5_1:
         return _dot_q5_01(w, r, x, xs, qtype == Q5_1)
     return _dot_q4_01(ra, x2, xs, qtype == Q4_1)
