@@ -22,7 +22,8 @@ summed at the end): the weights' codes go to `vpdpbusd` as unsigned bytes beside
   lanes), Q6_K's -32 is an integer start value.
 
 Addresses are plain integers (the row's bytes in the mapped file, the tables of x); every vector
-is carried in a `vec` (16 float32 lanes) and bit-cast where used.
+is carried in a `vec` (16 float32 lanes) and bit-cast where used. `absmax16` and `codes16` (the
+rounding of x) work on 16 explicit lanes, so the AVX2 path (kernels/_qavx2.py) uses them too.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ LAYOUT32 = {Q8_0: (34, 2, None, None), Q4_0: (18, 2, None, None), Q4_1: (20, 4, 
 
 _I1, _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
 _F32, _F16 = ir.FloatType(), ir.HalfType()
-_I32X16 = ir.VectorType(_I32, 16)
+_I32X16, _F32X16 = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16)
 
 
 def _vt(ty, n):
@@ -340,7 +341,7 @@ q6k_step = _make_k_step("q6k_step", _codegen_q6k)
 def absmax16(typingctx, addr):
     """The largest |x| of the 16 float32 at integer address `addr`."""
     def codegen(context, builder, sig, args):
-        v = builder.bitcast(_load(builder, args[0], _VEC), _I32X16)
+        v = builder.bitcast(_load(builder, args[0], _F32X16), _I32X16)
         v = builder.and_(v, _k(_I32, 16, 0x7FFFFFFF))  # |x| by its bits: an integer max
         m = _call(builder, "llvm.vector.reduce.umax.v16i32", _I32, [v])
         return builder.bitcast(m, _F32)
@@ -355,8 +356,10 @@ def codes16(typingctx, dst, src, inv):
         return None
 
     def codegen(context, builder, sig, args):
-        v = builder.fmul(_load(builder, args[1], _VEC), _splat(builder, args[2]))
-        c = builder.fptosi(_call(builder, "llvm.rint.v16f32", _VEC, [v]), _I32X16)
+        inv = builder.insert_element(ir.Constant(_F32X16, None), args[2], ir.Constant(_I32, 0))
+        inv = _shuffle(builder, inv, inv, [0] * 16)
+        v = builder.fmul(_load(builder, args[1], _F32X16), inv)
+        c = builder.fptosi(_call(builder, "llvm.rint.v16f32", _F32X16, [v]), _I32X16)
         c8 = builder.trunc(c, _vt(_I8, 16))
         builder.store(c8, builder.inttoptr(args[0], c8.type.as_pointer()), align=1)
         return _call(builder, "llvm.vector.reduce.add.v16i32", _I32, [builder.sext(c8, _I32X16)])

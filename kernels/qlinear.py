@@ -11,11 +11,12 @@ mins, Q6_K's -32) costs one multiply by a sum of x computed once per call, not o
 
 With AVX512-VNNI (`_qgemv_vnni`) x is rounded to int8 once per call and laid out for the steps of
 kernels/_qvec.py; rows go four at a time, sharing each load of x, with four independent
-accumulators and one horizontal sum for the four. Otherwise (AVX2) `_qgemv` works in float32, a
-row at a time: W codes at a time are widened to float32 lanes in registers (`vbits`, `vsbytes`)
-and meet x in one `fma`; each block's vector is scaled into the row's accumulator, summed once
-at its end (Q5_0, Q5_1 and Q5_K go element by element). `qgemv_ref` is the NumPy reference of
-both.
+accumulators and one horizontal sum for the four. With AVX2 (`_qgemv_avx2`) x is rounded the same
+way and the steps of kernels/_qavx2.py take a row at a time (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+Otherwise `_qgemv` works in float32, a row at a time: W codes at a time are widened to float32
+lanes in registers (`vbits`, `vsbytes`) and meet x in one `fma`; each block's vector is scaled
+into the row's accumulator, summed once at its end (Q5_0, Q5_1 and Q5_K go element by element).
+`int8_path` says which a type takes; `qgemv_ref` is the NumPy reference of all.
 """
 from __future__ import annotations
 
@@ -23,6 +24,17 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ._qavx2 import (
+    AVX2,
+    q4_0_step8,
+    q4_0_step8_1,
+    q4_1_step8,
+    q4_1_step8_1,
+    q4k_step8,
+    q6k_step8,
+    q8_0_step8,
+    q8_0_step8_1,
+)
 from ._qvec import VNNI, absmax16, codes16, hsum4, ldv, q4k_step, q5k_step, q6k_step, step32
 from ._simd import F32, FASTMATH, readonly, to_bf16, to_f32
 from ._vec import W, load_f16, prefetch, vbits, vfma, vhsum, vload, vsbytes, vsplat, vzero
@@ -334,6 +346,83 @@ def _x_tables(x, qtype):
     return codes, tf, ti
 
 
+AVX2_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)  # the AVX2 int8 path's types (Q5s: float path)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _rows8(w, qtype, r0, r1, codes, dx, s16, s32, out):
+    """out[r0:r1] = W[r0:r1] . x, AVX2 int8 steps (kernels/_qavx2.py) a row at a time; x as
+    `_quantise_x` rounds it (codes, scale per group dx, code sums per 16 and per 32)."""
+    rb = w.shape[1]
+    # addresses taken here, inside the caller's loop (see rows_k)
+    wa, xa, a16, a32 = w.ctypes.data, codes.ctypes.data, s16.ctypes.data, s32.ctypes.data
+    if qtype == Q4_K:
+        for r in range(r0, r1):
+            ra, acc = wa + r * rb, vzero()
+            for b in range(rb // 144):
+                acc = q4k_step8(acc, ra + 144 * b, xa + 256 * b, a32 + 32 * b, dx[b])
+            out[r] = vhsum(acc)
+    elif qtype == Q6_K:
+        for r in range(r0, r1):
+            ra, acc = wa + r * rb, vzero()
+            for b in range(rb // 210):
+                acc = q6k_step8(acc, ra + 210 * b, xa + 256 * b, a16 + 64 * b, dx[b])
+            out[r] = vhsum(acc)
+    elif qtype == Q8_0:
+        for r in range(r0, r1):
+            out[r] = _row_b32(Q8_0, wa + r * rb, rb // 34, xa, dx, s32)
+    elif qtype == Q4_1:
+        for r in range(r0, r1):
+            out[r] = _row_b32(Q4_1, wa + r * rb, rb // 20, xa, dx, s32)
+    else:
+        for r in range(r0, r1):
+            out[r] = _row_b32(Q4_0, wa + r * rb, rb // 18, xa, dx, s32)
+
+
+def _row_b32(qtype, ra, nblk, xa, dx, s32):
+    """The row at address ra (nblk 32-blocks) . x: two blocks a step."""
+
+
+@overload(_row_b32, prefer_literal=True, jit_options={"fastmath": FASTMATH}, inline="always")
+def _row_b32_impl(qtype, ra, nblk, xa, dx, s32):
+    if not isinstance(qtype, types.IntegerLiteral):
+        return None
+    q = qtype.literal_value
+    nb = BLOCK[q][1]
+    two, one = {Q8_0: (q8_0_step8, q8_0_step8_1), Q4_0: (q4_0_step8, q4_0_step8_1),
+                Q4_1: (q4_1_step8, q4_1_step8_1)}[q]
+
+    def row(qtype, ra, nblk, xa, dx, s32):
+        fa, ia = dx.ctypes.data, s32.ctypes.data
+        acc = vzero()
+        for b in range(0, nblk - 1, 2):
+            acc = two(acc, ra + nb * b, xa + 32 * b, fa + 4 * b, ia + 4 * b)
+        if nblk % 2:
+            b = nblk - 1
+            acc = one(acc, ra + nb * b, xa + 32 * b, fa + 4 * b, ia + 4 * b)
+        return vhsum(acc)
+    return row
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _qgemv_avx2(w, qtype, x, out, serial):
+    # w [N, row_bytes] u8; x [K] f32; out [N] f32. `serial`: all on the calling thread
+    n = w.shape[0]
+    codes, dx, s16, s32 = _quantise_x(x, 256 if qtype == Q4_K or qtype == Q6_K else 32)
+    if serial:
+        _rows8(w, qtype, 0, n, codes, dx, s16, s32, out)
+        return
+    for it in prange((n + RB - 1) // RB):
+        _rows8(w, qtype, it * RB, min(n, it * RB + RB), codes, dx, s16, s32, out)
+
+
+def int8_path(qtype: int, k: int) -> bool:
+    """Whether `qgemv` rounds x to int8 for this type and width on this CPU (else float32)."""
+    if VNNI:
+        return k % (256 if qtype in (Q4_K, Q5_K, Q6_K) else 64) == 0
+    return AVX2 and qtype in AVX2_TYPES
+
+
 @njit(fastmath=FASTMATH, cache=True, inline="always")
 def _tile_rows(wa, rb, n, r):
     """Addresses of rows r .. r + 3 (past the last row: the last row again)."""
@@ -598,12 +687,14 @@ def qgemv(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = Non
           or not out.flags.c_contiguous or not out.flags.writeable):
         raise ValueError(f"out must be a writeable C-contiguous float32 array of shape ({n},)")
     threads = use_threads()
-    if VNNI and k % (256 if qtype in (Q4_K, Q5_K, Q6_K) else 64) == 0:
-        # work items: about 8 a thread (dynamic schedule), 16 to 256 rows each
+    serial = threads == 1 or w.nbytes < SERIAL_BYTES
+    if not int8_path(qtype, k):
+        out[:] = _qgemv(w, qtype, readonly(x, _F32), serial)
+    elif VNNI:  # work items: about 8 a thread (dynamic schedule), 16 to 256 rows each
         rows = max(16, min(256, n // (8 * threads) // 4 * 4))
-        _qgemv_vnni(w, qtype, readonly(x, _F32), out, rows, threads == 1 or w.nbytes < SERIAL_BYTES)
+        _qgemv_vnni(w, qtype, readonly(x, _F32), out, rows, serial)
     else:
-        out[:] = _qgemv(w, qtype, readonly(x, _F32), threads == 1 or w.nbytes < SERIAL_BYTES)
+        _qgemv_avx2(w, qtype, readonly(x, _F32), out, serial)
     return out
 
 

@@ -722,7 +722,7 @@ def bench_decode(contexts: Annotated[str, typer.Option(
 
 @bench_app.command("gemv")
 def bench_gemv(types: Annotated[str, typer.Option(
-                   help="Weight types, comma-separated: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16.")]
+                   help="Weight types, comma-separated: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, F16.")]
                = "Q4_K,Q6_K,Q8_0,Q4_0,F16",
                repeats: Annotated[int, typer.Option(
                    min=1, help="Rounds; each times the GEMVs and the bandwidth probe once.")] = 7,

@@ -84,9 +84,10 @@ def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
     np.testing.assert_allclose(got, wd @ x, rtol=1e-4, atol=1e-5 * np.abs(wd @ x).max())
     # a small matrix on the calling thread alone: the same sums, row by row
     np.testing.assert_array_equal(qk._qgemv(qk.readonly(raw), t.ggml, x, True), got)
-    if not qk.VNNI:
+    if not qk.int8_path(t.ggml, k):
         return
-    # the int8 path: exactly W times x rounded to int8 (per 32 channels, per 256 for K-quants) ...
+    # the int8 path (VNNI or AVX2): exactly W times x rounded to int8 (per 32 channels, per 256
+    # for K-quants) ...
     group = 256 if t.block == 256 else 32
     codes, dx, _, _ = qk._quantise_x(x, group)
     xr = codes.astype(np.float64) * np.repeat(dx, group)
@@ -97,13 +98,20 @@ def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
 
 
 def _int8_reference(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
-    """W times x rounded to int8 as the VNNI path rounds it (per 32 channels, 256 for K-quants),
+    """W times x rounded to int8 as the int8 paths round it (per 32 channels, 256 for K-quants),
     in float64."""
     t = quant.TYPES[qtype]
     group = 256 if t.block == 256 else 32
     codes, dx, _, _ = qk._quantise_x(x, group)
     xr = codes.astype(np.float64) * np.repeat(dx, group)
     return quant.dequantize_ref(raw, qtype, x.shape[0]).astype(np.float64) @ xr
+
+
+def _want(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
+    """What qgemv gives on this CPU: the int8 reference where it takes an int8 path."""
+    if qk.int8_path(quant.TYPES[qtype].ggml, x.shape[0]):
+        return _int8_reference(raw, qtype, x)
+    return kernels.qgemv_ref(raw, quant.TYPES[qtype].ggml, x)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -116,7 +124,7 @@ def test_qgemv_takes_rows_four_at_a_time_and_writes_into_out(qtype, rows):
     raw = random_blocks(qtype, rows, k, seed=rows + t.ggml)
     x = np.random.default_rng(rows).standard_normal(k).astype(np.float32)
     got = kernels.qgemv(raw, t.ggml, x)
-    want = _int8_reference(raw, qtype, x) if qk.VNNI else kernels.qgemv_ref(raw, t.ggml, x)
+    want = _want(raw, qtype, x)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     out = np.full(rows, np.nan, np.float32)
     assert kernels.qgemv(raw, t.ggml, x, out=out) is out
@@ -143,14 +151,15 @@ def test_qgemv_on_two_threads_equals_one_thread(qtype, monkeypatch):
     finally:
         kernels.configure_threads(0)
     np.testing.assert_array_equal(two, one)
-    want = _int8_reference(raw, qtype, x) if qk.VNNI else kernels.qgemv_ref(raw, t.ggml, x)
+    want = _want(raw, qtype, x)
     np.testing.assert_allclose(two, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
-def test_qgemv_without_vnni_takes_the_float_path_into_out(qtype, monkeypatch):
-    """Where AVX512-VNNI is missing, qgemv runs the float kernel, `out` as well."""
+def test_qgemv_without_an_int8_path_takes_the_float_path_into_out(qtype, monkeypatch):
+    """Where neither AVX512-VNNI nor AVX2 is there, qgemv runs the float kernel, `out` as well."""
     monkeypatch.setattr(qk, "VNNI", False)
+    monkeypatch.setattr(qk, "AVX2", False)
     t = quant.TYPES[qtype]
     k = 768 if t.block == 256 else 576
     raw = random_blocks(qtype, 7, k, seed=t.ggml)
@@ -171,13 +180,15 @@ def test_qgemv_refuses_an_unfit_out():
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", *LEGACY])
-def test_qgemv_over_an_odd_number_of_32_blocks_takes_the_float_path(qtype):
-    """The int8 path takes two 32-blocks a step: a row of 19 blocks goes the float way, exact up
-    to float32 sums (no int8 rounding of x)."""
+def test_qgemv_over_an_odd_number_of_32_blocks(qtype):
+    """A row of 19 blocks: the VNNI path takes four 32-blocks a step and sends it the float way
+    (exact up to float32 sums, no int8 rounding of x); the AVX2 path takes two a step and the
+    last one alone."""
     t, k = quant.TYPES[qtype], 19 * 32
     raw = random_blocks(qtype, 21, k, seed=3)
     x = np.random.default_rng(3).standard_normal(k).astype(np.float32)
-    want = kernels.qgemv_ref(raw, t.ggml, x)
+    assert qk.int8_path(t.ggml, k) == (qk.AVX2 and t.ggml in qk.AVX2_TYPES)
+    want = _want(raw, qtype, x)
     np.testing.assert_allclose(kernels.qgemv(raw, t.ggml, x), want, rtol=1e-4,
                                atol=1e-5 * np.abs(want).max())
 
@@ -332,8 +343,8 @@ def test_dequant_to_bf16_is_the_reference_rounded_to_bf16(qtype):
 def test_qgemv_stays_exact_whatever_the_heap_holds():
     """Many calls of varied sizes with allocations between them: the int8 path's codes of x must
     live until its loop ends (addresses taken before the loop once read memory that the output
-    array reused: ~2% of calls wrong). Without VNNI the float path, which reads rows and x by
-    address too, must stay exact the same way."""
+    array reused: ~2% of calls wrong). The AVX2 int8 path and the float path read rows and x by
+    address too, and must stay exact the same way."""
     from ktlong.kernels import qlinear as qk
 
     wrong = []
@@ -346,7 +357,7 @@ def test_qgemv_stays_exact_whatever_the_heap_holds():
         x = rng.standard_normal(k).astype(np.float32)
         junk = [np.empty(int(s)) for s in rng.integers(1, 400, 5)]  # noqa: F841  (heap churn)
         xr = x.astype(np.float64)
-        if qk.VNNI:  # the int8 path: x rounded to int8 codes
+        if qk.int8_path(t.ggml, k):  # the int8 path: x rounded to int8 codes
             group = 256 if t.block == 256 else 32
             codes, dx, _, _ = qk._quantise_x(x, group)
             xr = codes.astype(np.float64) * np.repeat(dx, group)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 SHAPES = ((4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336))  # [rows, k] of one layer
-TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "F16")
+TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "F16")
 TARGET_BYTES = 768 << 20  # weight bytes per type: many times the last-level cache
 
 
@@ -101,7 +101,8 @@ def main(types: list[str], repeats: int, threads: int, as_json: bool) -> None:
     threads = kernels.configure_threads(threads)
     rows = measure(types, repeats)
     if as_json:
-        print(json.dumps({"threads": threads, "vnni": bool(kernels.qlinear.VNNI), "rows": rows}))
+        print(json.dumps({"threads": threads, "vnni": bool(kernels.qlinear.VNNI),
+                          "int8_path": _int8_path(kernels), "rows": rows}))
         return
     from rich import box
     from rich.console import Console
@@ -116,4 +117,9 @@ def main(types: list[str], repeats: int, threads: int, as_json: bool) -> None:
                       f"{r['weight_gbps']:.1f}", f"{r['stream_gbps']:.1f}",
                       f"{r['vs_bandwidth']:.0%}")
     Console().print(table)
-    Console().print(f"int8 activations with AVX512-VNNI: {'yes' if kernels.qlinear.VNNI else 'no'}")
+    Console().print(f"int8 activations: {_int8_path(kernels) or 'no (float32)'}")
+
+
+def _int8_path(kernels) -> str | None:
+    """Which int8 GEMV path this CPU takes (Q5 types stay float32 on AVX2)."""
+    return "AVX512-VNNI" if kernels.qlinear.VNNI else "AVX2" if kernels.qlinear.AVX2 else None
