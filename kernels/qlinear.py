@@ -354,46 +354,47 @@ def _rows8(w, qtype, r0, r1, codes, dx, s16, s32, out):
     """out[r0:r1] = W[r0:r1] . x, AVX2 int8 steps (kernels/_qavx2.py) a row at a time; x as
     `_quantise_x` rounds it (codes, scale per group dx, code sums per 16 and per 32)."""
     rb = w.shape[1]
-    # addresses taken here, inside the caller's loop (see rows_k)
-    wa, xa, a16, a32 = w.ctypes.data, codes.ctypes.data, s16.ctypes.data, s32.ctypes.data
-    if qtype == Q4_K:
-        for r in range(r0, r1):
-            ra, acc = wa + r * rb, vzero()
-            for b in range(rb // 144):
-                acc = q4k_step8(acc, ra + 144 * b, xa + 256 * b, a32 + 32 * b, dx[b])
-            out[r] = vhsum(acc)
-    elif qtype == Q6_K:
-        for r in range(r0, r1):
-            ra, acc = wa + r * rb, vzero()
-            for b in range(rb // 210):
-                acc = q6k_step8(acc, ra + 210 * b, xa + 256 * b, a16 + 64 * b, dx[b])
-            out[r] = vhsum(acc)
-    elif qtype == Q8_0:
-        for r in range(r0, r1):
-            out[r] = _row_b32(Q8_0, wa + r * rb, rb // 34, xa, dx, s32)
-    elif qtype == Q4_1:
-        for r in range(r0, r1):
-            out[r] = _row_b32(Q4_1, wa + r * rb, rb // 20, xa, dx, s32)
-    else:
-        for r in range(r0, r1):
-            out[r] = _row_b32(Q4_0, wa + r * rb, rb // 18, xa, dx, s32)
+    wa = w.ctypes.data  # taken here, inside the caller's loop (see rows_k)
+    for r in range(r0, r1):
+        ra = wa + r * rb
+        if qtype == Q4_K:
+            out[r] = _row8(Q4_K, ra, rb, codes, dx, s16, s32)
+        elif qtype == Q6_K:
+            out[r] = _row8(Q6_K, ra, rb, codes, dx, s16, s32)
+        elif qtype == Q8_0:
+            out[r] = _row8(Q8_0, ra, rb, codes, dx, s16, s32)
+        elif qtype == Q4_1:
+            out[r] = _row8(Q4_1, ra, rb, codes, dx, s16, s32)
+        else:
+            out[r] = _row8(Q4_0, ra, rb, codes, dx, s16, s32)
 
 
-def _row_b32(qtype, ra, nblk, xa, dx, s32):
-    """The row at address ra (nblk 32-blocks) . x: two blocks a step."""
+def _row8(qtype, ra, rb, codes, dx, s16, s32):
+    """The row at address ra (rb bytes) . x, compiled once per type (`qtype` a literal)."""
 
 
-@overload(_row_b32, prefer_literal=True, jit_options={"fastmath": FASTMATH}, inline="always")
-def _row_b32_impl(qtype, ra, nblk, xa, dx, s32):
+@overload(_row8, prefer_literal=True, jit_options={"fastmath": FASTMATH}, inline="always")
+def _row8_impl(qtype, ra, rb, codes, dx, s16, s32):
     if not isinstance(qtype, types.IntegerLiteral):
         return None
     q = qtype.literal_value
     nb = BLOCK[q][1]
+    if q in (Q4_K, Q6_K):  # a super-block a step; its code sums per 32 (Q4_K) or 16 (Q6_K)
+        step, per = (q4k_step8, 32) if q == Q4_K else (q6k_step8, 64)
+
+        def row_k(qtype, ra, rb, codes, dx, s16, s32):
+            xa, sa = codes.ctypes.data, (s32 if q == Q4_K else s16).ctypes.data
+            acc = vzero()
+            for b in range(rb // nb):
+                acc = step(acc, ra + nb * b, xa + 256 * b, sa + per * b, dx[b])
+            return vhsum(acc)
+        return row_k
     two, one = {Q8_0: (q8_0_step8, q8_0_step8_1), Q4_0: (q4_0_step8, q4_0_step8_1),
                 Q4_1: (q4_1_step8, q4_1_step8_1)}[q]
 
-    def row(qtype, ra, nblk, xa, dx, s32):
-        fa, ia = dx.ctypes.data, s32.ctypes.data
+    def row_b32(qtype, ra, rb, codes, dx, s16, s32):  # two blocks a step, an odd one alone
+        xa, fa, ia = codes.ctypes.data, dx.ctypes.data, s32.ctypes.data
+        nblk = rb // nb
         acc = vzero()
         for b in range(0, nblk - 1, 2):
             acc = two(acc, ra + nb * b, xa + 32 * b, fa + 4 * b, ia + 4 * b)
@@ -401,7 +402,7 @@ def _row_b32_impl(qtype, ra, nblk, xa, dx, s32):
             b = nblk - 1
             acc = one(acc, ra + nb * b, xa + 32 * b, fa + 4 * b, ia + 4 * b)
         return vhsum(acc)
-    return row
+    return row_b32
 
 
 @njit(parallel=True, nogil=True, cache=True)
