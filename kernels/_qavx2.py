@@ -28,10 +28,12 @@ from ._qvec import (
     _I64,
     _at,
     _call,
+    _fma,
     _k,
     _k_scales,
     _load,
     _shuffle,
+    _splat,
     _vt,
 )
 from ._vec import _VEC, W, vec
@@ -52,15 +54,6 @@ def _maddubs(builder, u, s):
 def _maddwd(builder, a, b):
     """Words a . words b, pairs summed: <8 x i32>."""
     return _call(builder, "llvm.x86.avx2.pmadd.wd", _D8, [a, b])
-
-
-def _splat(builder, x):
-    one = builder.insert_element(ir.Constant(_VEC, None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, one, _k(_I32, W, 0))
-
-
-def _fma(builder, a, b, c):
-    return _call(builder, "llvm.fma.v8f32", _VEC, [a, b, c])
 
 
 def _f16(builder, addr):
