@@ -1002,12 +1002,17 @@ def bench_serve(tokens: Annotated[str, typer.Option(
 
 
 @bench_app.command("cuda")
-def bench_cuda(threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
-    """The GPU paths against the CPU on tiny random models: the same greedy tokens, K, V and
-    logits for every way of reading; prefill tok/s, peak GPU memory and decode tok/s."""
+def bench_cuda(model: ModelOpt = None,
+               lengths: Annotated[str, typer.Option(
+                   help="With --model: prompt lengths for the speed rows (K suffix allowed).")]
+               = "4K,32K",
+               threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
+    """The GPU paths against the CPU on tiny random models (or --model on real prose): the same
+    greedy tokens and logits for every way of reading; prefill tok/s, peak GPU memory and decode
+    tok/s."""
     from ktlong.bench import cuda
 
-    cuda.main(as_json, threads or 0)
+    cuda.main(as_json, threads or 0, model, tuple(_lengths(lengths, "--lengths")))
 
 
 @bench_app.command("agree")

@@ -77,7 +77,8 @@ class Settings:
                       choices=("AUTO", "RAM", "DISK"))
     chunk_size: int = _f("int", 0, "memory", "Prefill chunk in tokens; bigger needs more memory "
                          f"for activations; 0 = {CHUNK_AUTO[True]} on CUDA, {CHUNK_AUTO[False]} "
-                         "on the CPU", 0)
+                         "on the CPU, less after a prefill window when the two would read past "
+                         "the model's trained context", 0)
     overflow: str = _f("enum", "SHIFT", "memory", "When a chat's (or a served "
                        "request's) next turn would pass max_seq_len: SHIFT drops the oldest "
                        "turns (never the document, system messages or the question) and moves "

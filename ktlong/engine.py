@@ -17,7 +17,7 @@ import torch
 
 from ktlong import decoder, memory
 from ktlong.attention import AttentionRouter
-from ktlong.config import CHUNK_AUTO, Settings
+from ktlong.config import Settings
 from ktlong.errors import KtlongError
 from ktlong.kvstore import KVStore, StoreShape
 from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
@@ -248,7 +248,9 @@ class Session:
             from ktlong.locret import chunk_len
 
             return chunk_len(self.settings)
-        return self.settings.chunk_size or CHUNK_AUTO[self.lm.device.type == "cuda"]
+        from ktlong.fit import prefill_chunk
+
+        return prefill_chunk(self.settings, self.lm.spec, self.lm.device.type == "cuda")
 
     # --- forward -----------------------------------------------------------------------------
     def _forward(

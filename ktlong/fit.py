@@ -4,7 +4,9 @@ model was never trained on).
 - The sparse budget: what a decode step reads (init_len + second_select_num blocks +
   local_windows_len; the question's blocks are taken from second_select_num) and what the window
   prefill reads (init_len + prefill_window) fit in 3/4 of the model's trained context; the last
-  quarter is room for a prefill chunk, the partial block and the answer. Keys the user set keep
+  quarter is room for a prefill chunk, the partial block and the answer (`prefill_chunk`: an
+  automatic chunk after a window is cut to that room, as CUDA's 4,096 would not fit it for a
+  model trained at 8K). Keys the user set keep
   their values (one warning when they read past the trained context); the others shrink in
   proportion, block_size and init_len kept. A model trained at 22K tokens or more keeps the
   defaults (16.5K a step).
@@ -75,6 +77,20 @@ def _fit_prefill(st: Settings, cap: int, mine: set[str]) -> dict[str, int]:
         return {}
     return {"prefill_window": max(st.block_size, (cap - st.init_len) // st.block_size
                                   * st.block_size)}
+
+
+def prefill_chunk(st: Settings, spec: Any, cuda: bool) -> int:
+    """Tokens per prefill chunk: `chunk_size`, or when it is 0 the device's size, cut so a
+    windowed chunk's queries read no key past the model's trained context."""
+    from ktlong.config import CHUNK_AUTO
+    from ktlong.spec import trained_context
+
+    if st.chunk_size:
+        return st.chunk_size
+    n, reach, trained = CHUNK_AUTO[cuda], window_reads(st), trained_context(spec)
+    if reach and trained > reach:
+        n = min(n, max(st.block_size, (trained - reach) // st.block_size * st.block_size))
+    return n
 
 
 def fit_budget(resolved: Resolved, trained: int) -> Resolved:

@@ -28,3 +28,14 @@ def test_without_a_gpu_one_line(capsys):
     assert e.value.code != 0
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "Traceback" not in err
+
+
+def test_model_agree_on_a_real_model():
+    from ktlong.registry import resolve_model
+
+    rows = cuda.model_agree(resolve_model("smollm2"), n_tokens=600, n_new=4, threads=2, gpu="CPU")
+    assert [r["case"] for r in rows] == ["dense", "default"]
+    for r in rows:
+        assert len(r["tokens"]) == 4 and r["text"]
+        for side in ("gpu_local", "cpu_local"):
+            assert r[side]["same"] and r[side]["common"] == 4 and r[side]["logit_err"] == 0.0

@@ -218,3 +218,18 @@ def test_several_accuracy_runs_are_drawn_as_one(tmp_path: Path, monkeypatch) -> 
         files[1].write_text(json.dumps(other))
         r = CliRunner().invoke(app, ["bench", "plot", *map(str, files), "--plot", "x.png"])
         assert r.exit_code == 2 and why in r.output, r.output
+
+
+def test_accuracy_runs_of_one_model_file_merge_across_machines() -> None:
+    from ktlong.errors import KtlongError
+
+    merge = plotting.merge
+    a = {**_accuracy(), "model": "/site/SmolLM2.gguf", "machine": "AMD EPYC, 2 cores",
+         "threads": 1, "haystack": "licenses"}
+    b = {**_accuracy(), "model": "/tmp/m/SmolLM2.gguf", "machine": "Xeon, 16 cores",
+         "threads": 16, "haystack": "licenses"}
+    out = merge([a, b], ["a.json", "b.json"])
+    assert out["machine"] == "AMD EPYC, 2 cores / Xeon, 16 cores" and out["threads"] == "1 / 16"
+    assert len(out["records"]) == 2 * len(a["records"])
+    with pytest.raises(KtlongError, match="its model differs"):
+        merge([a, {**b, "model": "/tmp/m/Other.gguf"}], ["a.json", "b.json"])

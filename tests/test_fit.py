@@ -2,6 +2,7 @@
 0 = what fits this model (ktlong/fit.py)."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,23 @@ def test_an_8k_model_reads_inside_its_trained_context(shape_dir: Callable[..., P
         assert r.sources[key] == "fitted to the model's trained context 8,192"
     assert r.sources["init_len"].startswith("config:")
     assert [n.split(":")[0] for n in r.notes] == ["note"]
+
+
+def test_a_windowed_prefill_chunk_stays_inside_the_trained_context(
+        shape_dir: Callable[..., Path]) -> None:
+    """CUDA's automatic 4,096-token chunk after a 6,144-token window would put keys 10K from a
+    query of an 8K model: the chunk is cut to the room left; a chunk the user set stays."""
+    spec = read_spec(shape_dir(max_position_embeddings=8192), need_weights=False)
+    st = fit.fit_to_model(resolve_settings(None, {"prefill": "WINDOW"}), spec,
+                          free_dram=64 * GB).settings
+    assert fit.window_reads(st) == 6144
+    assert fit.prefill_chunk(st, spec, cuda=True) == 2048
+    assert fit.prefill_chunk(st, spec, cuda=False) == 1024  # already inside
+    dense = dataclasses.replace(st, prefill="DENSE")
+    assert fit.prefill_chunk(dense, spec, cuda=True) == 4096  # reads every key anyway
+    assert fit.prefill_chunk(dataclasses.replace(st, chunk_size=4096), spec, cuda=True) == 4096
+    long = dataclasses.replace(spec, max_positions=131072)
+    assert fit.prefill_chunk(st, long, cuda=True) == 4096
 
 
 def test_a_model_trained_long_enough_keeps_the_defaults(shape_dir: Callable[..., Path]) -> None:

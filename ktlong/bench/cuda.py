@@ -1,4 +1,5 @@
-"""`ktlong bench cuda`: the GPU paths against the CPU, on tiny random models (no downloads).
+"""`ktlong bench cuda`: the GPU paths against the CPU, on tiny random models (no downloads) or
+on a real model (`--model`).
 
 For each architecture and each way of reading (dense; block-sparse with its defaults; NEAR
 scoring with COMPACT reads and question blocks; WINDOW and MINFERENCE prefills; LOCRET), the same
@@ -7,6 +8,11 @@ GPU and without: the answers must be the same tokens, and the report gives the l
 difference of the last logits and of the stored K, V. Then prefill tok/s and peak GPU memory at
 two lengths on a wider model (4 layers, hidden 1024), and decode tok/s with and without the GPU
 local window, against the CPU.
+
+With `--model`, the same on that model and real prose (ktlong.bench.prose): the dense and
+default profiles answer a 4K-token prompt on the CPU, with the weights widened to float32 as
+CUDA holds them, and on CUDA; then prefill and decode speed at `--lengths` on CUDA, and on the
+CPU (the weights as the file keeps them) at the first.
 """
 
 from __future__ import annotations
@@ -124,24 +130,114 @@ def speed(lengths: tuple[int, ...] = (16384, 65536), threads: int = 8) -> list[d
     return rows
 
 
-def main(as_json: bool, threads: int) -> dict[str, Any]:
+def _fitted(lm: Any, profile: str, overrides: dict[str, Any]) -> Settings:
+    from ktlong.config import resolve_settings
+    from ktlong.fit import fit_to_model
+
+    return fit_to_model(resolve_settings(profile, overrides, config_file=False), lm.spec).settings
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def model_agree(path: Path, n_tokens: int = 4096, n_new: int = 32, threads: int = 8,
+                profiles: tuple[str, ...] = ("dense", "default"),
+                gpu: str = "CUDA") -> list[dict[str, Any]]:
+    """Per profile: the CPU's greedy answer (float32 weights, as CUDA holds them) and per GPU run
+    (local window on the GPU or not) the tokens in common with it and the largest last-logit
+    difference."""
+    from ktlong.bench import prose
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu = load_model(path, device="CPU", dtype="float32", weight_type="FP32")
+    on_gpu = load_model(path, device=gpu, dtype="float32", weight_type="FP32")
+    ids = prose.ids(cpu.tokenizer, n_tokens, seed=0)
+    rows = []
+    for profile in profiles:
+        st = _fitted(cpu, profile, {"threads_num": threads, "max_seq_len": n_tokens + 2 * n_new,
+                                    "kv_tier": "RAM"})
+        answers = {}
+        for name, lm, local in (("cpu", cpu, False), ("gpu_local", on_gpu, True),
+                                ("cpu_local", on_gpu, False)):
+            s = Session(lm, dataclasses.replace(st, gpu_local_window=local))
+            logits = s.prefill(ids)[-1].float().cpu()
+            toks = [x.token_id for x in s.generate(Sampling(max_new_tokens=n_new))]
+            answers[name] = (toks, logits)
+        ref, ref_logits = answers.pop("cpu")
+        row: dict[str, Any] = {"case": profile, "tokens": ref,
+                               "text": cpu.tokenizer.decode(ref)}
+        for name, (toks, logits) in answers.items():
+            row[name] = {"same": toks == ref, "common": _common(toks, ref),
+                         "logit_err": float((logits - ref_logits).abs().max())}
+        rows.append(row)
+    return rows
+
+
+def model_speed(path: Path, lengths: tuple[int, ...], threads: int = 8) -> list[dict[str, Any]]:
+    """The default profile fitted to the model: prefill tok/s, peak GPU memory, decode tok/s on
+    CUDA (local window on the GPU and not) at each length, and on the CPU at the first."""
+    from ktlong.bench import prose
+    from ktlong.engine import Sampling, Session
+    from ktlong.model import load_model
+
+    rows = []
+    for device in ("CUDA", "CPU"):
+        lm = load_model(path, device=device)
+        for n in lengths if device == "CUDA" else lengths[:1]:
+            ids = prose.ids(lm.tokenizer, n, seed=0)
+            st = _fitted(lm, "default", {"threads_num": threads, "max_seq_len": n + 4096})
+            for local in (True, False) if device == "CUDA" else (False,):
+                s = Session(lm, dataclasses.replace(st, gpu_local_window=local))
+                if device == "CUDA":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                s.prefill(ids)
+                dt = time.perf_counter() - t0
+                peak = torch.cuda.max_memory_allocated() if device == "CUDA" else None
+                list(s.generate(Sampling(max_new_tokens=8)))  # warm
+                last = list(s.generate(Sampling(max_new_tokens=48)))[-1].stats
+                rows.append({"device": device, "tokens": n, "gpu_local": local,
+                             "prefill_tok_s": n / dt, "peak_gpu_bytes": peak,
+                             "decode_tok_s": last.decode_tok_s,
+                             "attended": last.attended_share})
+                del s
+    return rows
+
+
+def main(as_json: bool, threads: int, model: Path | None = None,
+         lengths: tuple[int, ...] = (4096, 32768)) -> dict[str, Any]:
     from ktlong import render
 
     if not torch.cuda.is_available():
         raise KtlongError("ktlong bench cuda needs a CUDA GPU, and torch sees none",
                           hint="run it on a machine with one (a CUDA build of torch)")
-    result = {"device": torch.cuda.get_device_name(0), "agree": agree(),
-              "speed": speed(threads=threads or 8)}
+    result: dict[str, Any] = {
+        "bench": "cuda", "device": torch.cuda.get_device_name(0), "threads": threads or 8,
+        "command": "ktlong bench cuda" + (f" -m {model} --lengths {','.join(map(str, lengths))}"
+                                          if model else "") + (f" -t {threads}" if threads else "")}
+    if model is None:
+        result.update(agree=agree(), speed=speed(threads=threads or 8))
+    else:
+        result.update(model=Path(model).name, agree=model_agree(model, threads=threads or 8),
+                      speed=model_speed(model, lengths, threads=threads or 8))
     if as_json:
         render.print_json(result)
         return result
     c = render.console()
-    c.print(f"[bold]{result['device']}[/] against the CPU, tiny random models, greedy")
+    c.print(f"[bold]{result['device']}[/] against the CPU, "
+            f"{result.get('model', 'tiny random models')}, greedy")
     for r in result["agree"]:
         g, p = r["gpu_local"], r["cpu_local"]
-        c.print(f"{r['arch']:<12} {r['case']:<19} same tokens: {g['same']} / {p['same']}  "
-                f"logits {max(g['logit_err'], p['logit_err']):.1e}  "
-                f"K,V {max(g['kv_err'], p['kv_err']):.1e}")
+        kv = f"  K,V {max(g['kv_err'], p['kv_err']):.1e}" if "kv_err" in g else ""
+        c.print(f"{r.get('arch', ''):<12} {r['case']:<19} same tokens: {g['same']} / {p['same']}  "
+                f"logits {max(g['logit_err'], p['logit_err']):.1e}{kv}")
     for r in result["speed"]:
         peak = ("" if r["peak_gpu_bytes"] is None
                 else f", peak GPU {r['peak_gpu_bytes'] / 2**20:.0f} MiB")

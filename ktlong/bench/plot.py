@@ -181,16 +181,24 @@ def merge(runs: list[Any], names: list[str]) -> dict[str, Any]:
         if not isinstance(run, dict) or run.get("bench") != "accuracy":
             raise KtlongError(f"{name}: only bench accuracy results are drawn together",
                               hint="give one RESULT.json for the other benches")
+    def same(run: dict[str, Any], key: str) -> Any:  # one model file wherever it was run
+        v = run.get(key)
+        return Path(v).name if key == "model" and isinstance(v, str) else v
+
     first = runs[0]
     for run, name in zip(runs[1:], names[1:], strict=True):
         for key in MERGE_KEYS:
-            if run.get(key) != first.get(key):
+            if same(run, key) != same(first, key):
                 raise KtlongError(f"{name}: its {key} differs from {names[0]}'s",
                                   hint="runs drawn as one share the model, haystack and tasks")
     out = dict(first)
     out["records"] = [r for run in runs for r in run.get("records", [])]
     out["summary"] = [c for run in runs for c in run.get("summary", [])]
     out["command"] = "; ".join(run.get("command", "") for run in runs)
+    for key in ("machine", "device", "threads"):  # each as the runs had it
+        seen = list(dict.fromkeys(str(run[key]) for run in runs if run.get(key) is not None))
+        if len(seen) > 1:
+            out[key] = " / ".join(seen)
     return out
 
 
