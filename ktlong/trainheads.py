@@ -6,7 +6,10 @@ reference code; it is read once (dense, exact), then each of its questions is as
 model's own greedy answer generated. Every prompt token's label, per KV head, is the largest
 scaled logit the answer's queries give it (`locret.cis_labels`); the heads learn it from the
 token's [q, k, v] (`locret.features`) with Smooth-L1 plus a smoothness term between neighbours.
-A checkpoint is written every few documents, and a run that stops resumes from it.
+A checkpoint is written every few documents, and a run that stops resumes from it, also with
+another --docs (the documents come in the same order, so a run cut short at N documents gives
+the heads of `--docs N`). At the end, a held-out check: how much of a fact line in documents no
+run trains on the heads would rank among a document's top quarter (`fact_kept`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ QUESTIONS = (
 FACT = "The reference code for this text is {code}."
 FACT_QUESTION = "What is the reference code for this text?"
 SEED0 = 100_000  # documents of seeds the accuracy benches never draw
+HELD_OUT0 = 900_000  # the held-out check's documents
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class Recorder:
 
 
 def _document(tokenizer: Any, n_tokens: int, seed: int, fact: bool) -> tuple[str, str | None]:
+    """Real text of about n_tokens, with FACT inserted between two lines when `fact`: (text,
+    the fact line or None)."""
     from ktlong.bench import prose
 
     text = tokenizer.decode(prose.ids(tokenizer, n_tokens, seed=seed))  # whole sections, cut
@@ -94,7 +100,7 @@ def _document(tokenizer: Any, n_tokens: int, seed: int, fact: bool) -> tuple[str
     lines = text.split("\n")
     at = rng.randrange(1, max(2, len(lines)))
     lines.insert(at, FACT.format(code=code))
-    return "\n".join(lines), code
+    return "\n".join(lines), lines[at]
 
 
 def _questions(rng: random.Random, n: int, fact: bool) -> list[str]:
@@ -133,6 +139,47 @@ def examples_for(session: Any, rec: Recorder, conv: Conversation, questions: lis
     return out
 
 
+def fact_span(conv_ids: list[int], plain_ids: list[int]) -> tuple[int, int]:
+    """Token range of an inserted line: where the ids with it part from the ids without."""
+    a = 0
+    while a < min(len(conv_ids), len(plain_ids)) and conv_ids[a] == plain_ids[a]:
+        a += 1
+    b = 0
+    while b < min(len(conv_ids), len(plain_ids)) - a and conv_ids[-1 - b] == plain_ids[-1 - b]:
+        b += 1
+    return a, len(conv_ids) - b
+
+
+def fact_kept(session: Any, rec: Recorder, heads: Any, lm: Any, inv_freq: torch.Tensor | None,
+              doc_tokens: int, docs: int = 4, keep: float = 0.25, seed: int = 0
+              ) -> dict[str, float]:
+    """The held-out check: documents no training run reads, each with a fact line; per store
+    layer and KV head, the share of the line's tokens whose predicted score ranks in the
+    document's top `keep` (a LOCRET budget of that share of the document). Returns the mean share
+    and the share of layer-heads that rank >= 80% of the line there."""
+    shares: list[torch.Tensor] = []
+    for i in range(docs):
+        text, line = _document(lm.tokenizer, doc_tokens, HELD_OUT0 + seed * 1000 + i, True)
+        plain = text.replace(f"{line}\n", "", 1)
+        ids = Conversation(lm.tokenizer, text).document_ids()
+        a, b = fact_span(ids, Conversation(lm.tokenizer, plain).document_ids())
+        rec.clear()
+        rec.active = True
+        session.prefill(ids)
+        rec.active = False
+        for slot in range(len(rec.parts)):
+            q, k, v = rec.take(slot, 0, len(ids))
+            with torch.no_grad():
+                s = heads(slot, locret.features(q, k, v, 0, inv_freq))  # [n, Hkv]
+            cut = torch.topk(s, max(1, int(keep * len(ids))), dim=0).values[-1]  # [Hkv]
+            shares.append((s[a:b] >= cut).float().mean(0))  # [Hkv]
+        session.truncate(0)
+    rec.clear()
+    every = torch.cat(shares)
+    return {"fact_kept": float(every.mean()), "heads_keeping_fact": float((every >= 0.8).float()
+                                                                         .mean())}
+
+
 def train(lm: Any, out: Path, cfg: TrainConfig, fresh: bool = False,
           progress: Callable[[int, int, float], None] | None = None,
           threads: int = 0) -> dict[str, Any]:
@@ -161,7 +208,8 @@ def train(lm: Any, out: Path, cfg: TrainConfig, fresh: bool = False,
             ck = torch.load(partial, weights_only=False)
         except Exception:  # unreadable: start over (it is rewritten at the next checkpoint)
             ck = {}
-        if ck.get("fingerprint") == spec.fingerprint and ck.get("config") == cfg.__dict__:
+        same = {**ck.get("config", {}), "docs": cfg.docs} == cfg.__dict__
+        if ck.get("fingerprint") == spec.fingerprint and same and ck.get("done", 0) <= cfg.docs:
             heads.load_state_dict(ck["heads"])
             opt.load_state_dict(ck["opt"])
             done, losses, n_examples, t_used = ck["done"], ck["losses"], ck["examples"], ck["s"]
@@ -194,14 +242,16 @@ def train(lm: Any, out: Path, cfg: TrainConfig, fresh: bool = False,
             tmp.replace(partial)
         if progress is not None:
             progress(done, cfg.docs, sum(losses[-8:]) / max(1, len(losses[-8:])))
+    seconds = time.perf_counter() - t0
+    check = fact_kept(session, rec, heads, lm, inv_freq, cfg.doc_tokens, seed=cfg.seed)
     meta = locret.HeadsMeta(spec.fingerprint, Path(spec.path).name, n_layers, n_in,
                             spec.n_kv_heads, cfg.hidden, len(losses), n_examples)
     locret.save_heads(out, heads, meta)
     partial.unlink(missing_ok=True)
     k = max(1, len(losses) // 10)
     return {"heads": str(out), "bytes": out.stat().st_size, "documents": done,
-            "examples": n_examples, "seconds": time.perf_counter() - t0,
-            "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k}
+            "examples": n_examples, "seconds": seconds,
+            "loss_first": sum(losses[:k]) / k, "loss_last": sum(losses[-k:]) / k, **check}
 
 
 def main(model: Path, out: Path | None, cfg: TrainConfig, fresh: bool, threads: int,
@@ -237,5 +287,8 @@ def main(model: Path, out: Path | None, cfg: TrainConfig, fresh: bool, threads: 
         err.print(f"{result['examples']} questions on {result['documents']} documents in "
                   f"{result['seconds'] / 60:.1f} min; loss {result['loss_first']:.4f} -> "
                   f"{result['loss_last']:.4f}")
+        err.print(f"held-out fact lines: {result['fact_kept']:.0%} of their tokens rank in the "
+                  f"top quarter of their document; {result['heads_keeping_fact']:.0%} of layer "
+                  f"KV heads rank 80% of the line there")
         err.print(f"heads: {path} ({result['bytes'] / 2**20:.1f} MB); `--profile locret` uses them")
     return result

@@ -210,6 +210,7 @@ def test_train_heads_learns_and_resumes(lm, tmp_path):
     full = tmp_path / "full.safetensors"
     r = trainheads.train(lm, full, cfg, fresh=True)
     assert r["examples"] == 8 and r["loss_last"] < r["loss_first"]
+    assert 0.0 <= r["heads_keeping_fact"] <= 1.0 and 0.0 < r["fact_kept"] <= 1.0
     part = tmp_path / "part.safetensors"
     with pytest.raises(_Stop):
         trainheads.train(lm, part, cfg, fresh=True, progress=_stop_after(2))
@@ -220,6 +221,45 @@ def test_train_heads_learns_and_resumes(lm, tmp_path):
     assert meta.n_layers == lm.spec.n_layers and meta.examples == 8
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
+    # cut short: a run stopped after 2 documents, finished with --docs 2, is a --docs 2 run
+    short, two = tmp_path / "short.safetensors", tmp_path / "two.safetensors"
+    with pytest.raises(_Stop):
+        trainheads.train(lm, short, cfg, fresh=True, progress=_stop_after(2))
+    assert trainheads.train(lm, short, dataclasses.replace(cfg, docs=2))["documents"] == 2
+    trainheads.train(lm, two, dataclasses.replace(cfg, docs=2), fresh=True)
+    (a, _), (b, _) = locret.load_heads(short, lm.spec), locret.load_heads(two, lm.spec)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_the_held_out_check_finds_the_fact_line_by_diffing_the_ids(lm):
+    text, line = trainheads._document(lm.tokenizer, 300, 7, True)
+    assert line in text.split("\n") and line.startswith("The reference code")
+    ids = lm.tokenizer.encode(text)
+    a, b = trainheads.fact_span(ids, lm.tokenizer.encode(text.replace(f"{line}\n", "", 1)))
+    code = line.split()[-1].rstrip(".")
+    assert code in lm.tokenizer.decode(ids[a:b]) and code not in lm.tokenizer.decode(ids[:a])
+    assert trainheads._document(lm.tokenizer, 300, 7, False)[1] is None
+
+
+def test_the_held_out_check_counts_the_line_the_scores_rank_high(lm):
+    """Scores that put the fact line above everything else keep all of it; below, none."""
+    from ktlong.conversation import Conversation
+
+    text, line = trainheads._document(lm.tokenizer, 300, trainheads.HELD_OUT0, True)
+    ids = Conversation(lm.tokenizer, text).document_ids()
+    a, b = trainheads.fact_span(
+        ids, Conversation(lm.tokenizer, text.replace(f"{line}\n", "", 1)).document_ids())
+    s = Session(lm, settings(attention="DENSE", prefill="DENSE"))
+    rec = trainheads.Recorder(s.store.shape.n_layers)
+    s.router.evictor = rec
+    for sign, want in ((1.0, 1.0), (-1.0, 0.0)):
+        def heads(slot, x, sign=sign):
+            out = torch.zeros(x.shape[0], lm.spec.n_kv_heads)
+            out[a:b] = sign
+            return out
+        got = trainheads.fact_kept(s, rec, heads, lm, None, 300, docs=1)
+        assert got == {"fact_kept": want, "heads_keeping_fact": want}
 
 
 def test_heads_file_checks(lm, tmp_path):
