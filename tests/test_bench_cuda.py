@@ -39,3 +39,17 @@ def test_model_agree_on_a_real_model():
         assert len(r["tokens"]) == 4 and r["text"]
         for side in ("gpu_local", "cpu_local"):
             assert r[side]["same"] and r[side]["common"] == 4 and r[side]["logit_err"] == 0.0
+
+
+def test_timed_row_on_the_cpu():
+    import dataclasses
+
+    from ktlong.config import Settings
+    from ktlong.model import load_model
+    from tests.models import hf_model
+
+    lm = load_model(hf_model("llama"), device="CPU", dtype="float32")
+    row = cuda._timed(lm, dataclasses.replace(Settings(), kv_type="FP32", max_seq_len=4096),
+                      [2 + i % 200 for i in range(600)])
+    assert row["device"] == "CPU" and row["tokens"] == 600 and row["peak_gpu_bytes"] is None
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0

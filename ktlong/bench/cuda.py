@@ -100,7 +100,6 @@ def agree(archs: tuple[str, ...] = ARCHS, cases: tuple[str, ...] = tuple(CASES),
 def speed(lengths: tuple[int, ...] = (16384, 65536), threads: int = 8) -> list[dict[str, Any]]:
     """Prefill tok/s, peak GPU memory and decode tok/s: CUDA (local window on the GPU and not)
     at each length, the CPU at the first."""
-    from ktlong.engine import Sampling, Session
     from ktlong.model import load_model
     from ktlong.tinymodel import make_model
 
@@ -114,20 +113,29 @@ def speed(lengths: tuple[int, ...] = (16384, 65536), threads: int = 8) -> list[d
         for device, n, local in runs + [("CPU", lengths[0], False)]:
             lm = load_model(path, device=device, dtype="float32")
             ids = torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-            s = Session(lm, dataclasses.replace(base, gpu_local_window=local))
-            if device == "CUDA":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            s.prefill(ids)
-            dt = time.perf_counter() - t0
-            peak = torch.cuda.max_memory_allocated() if device == "CUDA" else None
-            list(s.generate(Sampling(max_new_tokens=8)))  # warm
-            last = list(s.generate(Sampling(max_new_tokens=48)))[-1].stats
-            rows.append({"device": device, "tokens": n, "gpu_local": local,
-                         "prefill_tok_s": n / dt, "peak_gpu_bytes": peak,
-                         "decode_tok_s": last.decode_tok_s, "attended": last.attended_share})
+            rows.append(_timed(lm, dataclasses.replace(base, gpu_local_window=local), ids))
     return rows
+
+
+def _timed(lm: Any, st: Settings, ids: list[int]) -> dict[str, Any]:
+    """One prefill of `ids` and 48 decode steps (after 8 to warm): tok/s and peak GPU memory."""
+    from ktlong.engine import Sampling, Session
+
+    cuda = lm.device.type == "cuda"
+    s = Session(lm, st)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    s.prefill(ids)
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    list(s.generate(Sampling(max_new_tokens=8)))  # warm
+    last = list(s.generate(Sampling(max_new_tokens=48)))[-1].stats
+    return {"device": "CUDA" if cuda else "CPU", "tokens": len(ids),
+            "gpu_local": st.gpu_local_window, "prefill_tok_s": len(ids) / dt,
+            "peak_gpu_bytes": peak, "decode_tok_s": last.decode_tok_s,
+            "attended": last.attended_share}
 
 
 def _fitted(lm: Any, profile: str, overrides: dict[str, Any]) -> Settings:
@@ -183,7 +191,6 @@ def model_speed(path: Path, lengths: tuple[int, ...], threads: int = 8) -> list[
     """The default profile fitted to the model: prefill tok/s, peak GPU memory, decode tok/s on
     CUDA (local window on the GPU and not) at each length, and on the CPU at the first."""
     from ktlong.bench import prose
-    from ktlong.engine import Sampling, Session
     from ktlong.model import load_model
 
     rows = []
@@ -193,21 +200,7 @@ def model_speed(path: Path, lengths: tuple[int, ...], threads: int = 8) -> list[
             ids = prose.ids(lm.tokenizer, n, seed=0)
             st = _fitted(lm, "default", {"threads_num": threads, "max_seq_len": n + 4096})
             for local in (True, False) if device == "CUDA" else (False,):
-                s = Session(lm, dataclasses.replace(st, gpu_local_window=local))
-                if device == "CUDA":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                s.prefill(ids)
-                dt = time.perf_counter() - t0
-                peak = torch.cuda.max_memory_allocated() if device == "CUDA" else None
-                list(s.generate(Sampling(max_new_tokens=8)))  # warm
-                last = list(s.generate(Sampling(max_new_tokens=48)))[-1].stats
-                rows.append({"device": device, "tokens": n, "gpu_local": local,
-                             "prefill_tok_s": n / dt, "peak_gpu_bytes": peak,
-                             "decode_tok_s": last.decode_tok_s,
-                             "attended": last.attended_share})
-                del s
+                rows.append(_timed(lm, dataclasses.replace(st, gpu_local_window=local), ids))
     return rows
 
 
