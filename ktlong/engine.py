@@ -19,6 +19,7 @@ from ktlong import decoder, memory
 from ktlong.attention import AttentionRouter
 from ktlong.config import Settings
 from ktlong.errors import KtlongError
+from ktlong.fit import prefill_chunk
 from ktlong.kvstore import KVStore, StoreShape
 from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
 from ktlong.model import LoadedModel
@@ -248,8 +249,6 @@ class Session:
             from ktlong.locret import chunk_len
 
             return chunk_len(self.settings)
-        from ktlong.fit import prefill_chunk
-
         return prefill_chunk(self.settings, self.lm.spec, self.lm.device.type == "cuda")
 
     # --- forward -----------------------------------------------------------------------------
@@ -262,7 +261,7 @@ class Session:
         body = lm.model.model
         dev = lm.device
         start, n = self.pos, len(ids)
-        chunk = n if sparse and n == 1 else self._chunk_len()
+        chunk = n if n == 1 else self._chunk_len()  # a single token needs no chunk size
         if n == 1 and sparse and self.decoder is not None:  # a decode step
             self.router.begin(sparse=True)
             with torch.inference_mode():  # the sliding-window rows were made in it

@@ -136,8 +136,8 @@ def finish(fig: Any, path: Path | str, title: str, data: dict[str, Any]) -> Any:
     if command:
         fig.text(0.01, 0.012, command, fontsize=7, family="monospace", va="bottom", wrap=True)
         w, h = fig.get_size_inches()
-        lines = len(textwrap.wrap(command, max(40, int(w / 0.07))))  # ~0.06 in a character,
-        # and lines break between words
+        # ~0.06 in a character; 0.07 leaves room for lines broken between words
+        lines = len(textwrap.wrap(command, max(40, int(w / 0.07))))
         foot = min(0.4, 0.02 + lines * 0.125 / h)  # ~0.125 in a line
     fig.tight_layout(rect=(0, foot, 1, 1))
     fig.savefig(path, dpi=120)
