@@ -837,8 +837,16 @@ def bench_accuracy(model: ModelOpt = None,
                    plot: PlotOpt = None, png: PngOpt = None,
                    seed: Annotated[int, typer.Option(help="Seed of the generated documents.")] = 0,
                    threads: ThreadsOpt = 0, device: DeviceOpt = None,
+                   save: Annotated[Path | None, typer.Option(
+                       "--save", metavar="FILE", help="Also write the JSON result here after "
+                       "every document, so a long run that stops keeps what it finished "
+                       "(`ktlong bench plot FILE` draws it).")] = None,
                    as_json: JsonOpt = False) -> None:
     """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
+    if save is not None and (save.is_dir() or not save.parent.is_dir()):
+        raise KtlongError(f"--save {save}: " + ("a folder" if save.is_dir()
+                                                 else f"no folder {save.parent}"),
+                          hint="give a file path in an existing folder")
     from ktlong.demo import tasks
 
     task_names = list(dict.fromkeys(t.strip().lower() for t in task_list.split(",") if t.strip()))
@@ -876,7 +884,7 @@ def bench_accuracy(model: ModelOpt = None,
                f"{f' -t {threads}' if threads else ''}{f' --device {device}' if device else ''}")
     accuracy.main(model, _lengths(lengths), samples, names, as_json, plot_file, threads, seed,
                   command, task_names, haystack, lead, device=coerce("device", device or "AUTO",
-                                                                     "--device"))
+                                                                     "--device"), save=save)
 
 
 @bench_app.command("cache")

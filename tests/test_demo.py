@@ -149,6 +149,39 @@ def test_bench_accuracy_cli_json() -> None:
     assert all(0 <= c["ci95"][0] <= c["pct"] <= c["ci95"][1] <= 100 for c in out["summary"])
 
 
+@needs_model
+def test_bench_accuracy_save_keeps_the_documents_of_a_stopped_run(tmp_path, monkeypatch) -> None:
+    """--save FILE holds every finished document's records as the run goes (a run stopped in
+    its second document keeps the first, marked incomplete), and at the end what --json
+    prints."""
+    from ktlong.demo import accuracy
+
+    out = tmp_path / "acc.json"
+    make, calls = tasks.make_mixed, []
+
+    def stop_at_the_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return make(*a, **k)
+    monkeypatch.setattr(tasks, "make_mixed", stop_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        accuracy.main(None, [512], 2, ["dense"], save=out, device="CPU")
+    kept = json.loads(out.read_text())
+    assert kept["complete"] is False and len(kept["records"]) == len(tasks.TASKS)
+    monkeypatch.setattr(tasks, "make_mixed", make)
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--lengths", "512", "--samples", "2",
+                                 "--profiles", "dense", "--device", "cpu", "--json",
+                                 "--save", str(out)])
+    assert r.exit_code == 0, r.output
+    printed = json.loads(r.stdout.strip().splitlines()[-1])
+    assert printed["complete"] is True and len(printed["records"]) == 2 * len(tasks.TASKS)
+    assert json.loads(out.read_text()) == printed
+    assert printed["records"][: len(tasks.TASKS)] == kept["records"]  # the same first document
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--save", str(tmp_path / "no" / "a.json")])
+    assert r.exit_code == 2 and "no folder" in r.output, r.output
+
+
 def test_bench_accuracy_rejects_an_unknown_profile() -> None:
     r = CliRunner().invoke(app, ["bench", "accuracy", "--profiles", "dense,nosuch"])
     assert r.exit_code == 2 and "nosuch" in r.output

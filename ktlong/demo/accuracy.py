@@ -94,8 +94,10 @@ def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
 def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
         seed: int = 0, threads: int = 0, report: Callable[[str], None] | None = None,
         task_names: Sequence[str] = tasks.TASKS, haystack: str = "filler",
-        lead: bool = False, device: str = "AUTO") -> list[Record]:
-    """Every (length, sample, task, profile); `report` gets one line per document.
+        lead: bool = False, device: str = "AUTO",
+        done: Callable[[list[Record]], None] | None = None) -> list[Record]:
+    """Every (length, sample, task, profile); `report` gets one line per document, `done` the
+    records so far after each document.
     `task_names`: of tasks.ALL_TASKS; `haystack`: of tasks.HAYSTACKS; `lead`: each answer starts
     with the reference answer's words before the value (`Fact.lead`), given in the prompt;
     `device`: where the model runs (AUTO: CUDA when present: the prefill on the GPU, the
@@ -198,6 +200,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
             if report:
                 report(f"{n_tok} tokens, sample {i + 1}/{samples}: prefill {prefill_s:.1f}s, "
                        f"total {time.perf_counter() - t0:.1f}s; " + ", ".join(line))
+            if done:
+                done(out)
     return out
 
 
@@ -392,24 +396,38 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
 def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequence[str],
          as_json: bool = False, plot_file: Path | None = None, threads: int = 0, seed: int = 0,
          command: str = "ktlong bench accuracy", task_names: Sequence[str] = tasks.TASKS,
-         haystack: str = "filler", lead: bool = False, device: str = "AUTO") -> None:
+         haystack: str = "filler", lead: bool = False, device: str = "AUTO",
+         save: Path | None = None) -> None:
+    """Run, then print the result (JSON or a table) and draw it; with `save`, the JSON is also
+    written there after every document (atomically: a stopped run keeps what it measured,
+    marked `"complete": false`)."""
     from rich.console import Console
 
     from ktlong.bench import plot as plotting
+    from ktlong.configfile import atomic_write
     from ktlong.model import pick_device
 
     if plot_file is not None:
         plotting.require()
     err = Console(stderr=True)
+    head = {"bench": "accuracy", "command": command, "machine": plotting.machine(),
+            "device": pick_device(device).type, "threads": threads or "auto (idle cores)",
+            "model": str(model) if model else "ktlong's demo model",
+            "haystack": haystack, "tasks": list(task_names), "lead": lead}
+
+    def result(records: list[Record], complete: bool) -> dict[str, Any]:
+        return {**head, "complete": complete,
+                "records": [dataclasses.asdict(r) for r in records], "summary": summary(records)}
+
+    def keep(records: list[Record]) -> None:
+        atomic_write(save, json.dumps(result(records, False)))
+
     records = run(model, lengths, samples, profiles, seed, threads,
                   report=lambda line: err.print(line, highlight=False), task_names=task_names,
-                  haystack=haystack, lead=lead, device=device)
-    data = {"bench": "accuracy", "command": command, "machine": plotting.machine(),
-            "device": pick_device(device).type,
-            "threads": threads or "auto (idle cores)",
-            "model": str(model) if model else "ktlong's demo model",
-            "haystack": haystack, "tasks": list(task_names), "lead": lead,
-            "records": [dataclasses.asdict(r) for r in records], "summary": summary(records)}
+                  haystack=haystack, lead=lead, device=device, done=keep if save else None)
+    data = result(records, True)
+    if save is not None:
+        atomic_write(save, json.dumps(data))
     if plot_file is not None:
         plot(data, plot_file)
     if as_json:
