@@ -843,10 +843,11 @@ def bench_accuracy(model: ModelOpt = None,
                        "(`ktlong bench plot FILE` draws it).")] = None,
                    as_json: JsonOpt = False) -> None:
     """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
-    if save is not None and (save.is_dir() or not save.parent.is_dir()):
-        raise KtlongError(f"--save {save}: " + ("a folder" if save.is_dir()
-                                                 else f"no folder {save.parent}"),
-                          hint="give a file path in an existing folder")
+    if save is not None and (save.is_dir() or not save.parent.is_dir()
+                             or not os.access(save.parent, os.W_OK)):
+        why = ("a folder" if save.is_dir() else f"no folder {save.parent}"
+               if not save.parent.is_dir() else f"cannot write in {save.parent}")
+        raise KtlongError(f"--save {save}: {why}", hint="give a file path in a writable folder")
     from ktlong.demo import tasks
 
     task_names = list(dict.fromkeys(t.strip().lower() for t in task_list.split(",") if t.strip()))

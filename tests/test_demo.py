@@ -178,6 +178,14 @@ def test_bench_accuracy_save_keeps_the_documents_of_a_stopped_run(tmp_path, monk
     assert printed["complete"] is True and len(printed["records"]) == 2 * len(tasks.TASKS)
     assert json.loads(out.read_text()) == printed
     assert printed["records"][: len(tasks.TASKS)] == kept["records"]  # the same first document
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("ktlong.configfile.atomic_write", full_disk)
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--lengths", "512", "--samples", "1",
+                                 "--profiles", "dense", "--device", "cpu", "--json",
+                                 "--save", str(out)])
+    assert r.exit_code == 0 and "No space left on device; the run goes on" in r.output, r.output
+    assert len(json.loads(r.stdout.strip().splitlines()[-1])["records"]) == len(tasks.TASKS)
     r = CliRunner().invoke(app, ["bench", "accuracy", "--save", str(tmp_path / "no" / "a.json")])
     assert r.exit_code == 2 and "no folder" in r.output, r.output
 

@@ -419,15 +419,19 @@ def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Seq
         return {**head, "complete": complete,
                 "records": [dataclasses.asdict(r) for r in records], "summary": summary(records)}
 
-    def keep(records: list[Record]) -> None:
-        atomic_write(save, json.dumps(result(records, False)))
+    def keep(records: list[Record], complete: bool = False) -> None:
+        try:
+            atomic_write(save, json.dumps(result(records, complete)))
+        except OSError as e:  # the run goes on: its result still prints at the end
+            err.print(f"warning: --save {save}: {e.strerror or e}; the run goes on",
+                      highlight=False, soft_wrap=True)
 
     records = run(model, lengths, samples, profiles, seed, threads,
                   report=lambda line: err.print(line, highlight=False), task_names=task_names,
                   haystack=haystack, lead=lead, device=device, done=keep if save else None)
     data = result(records, True)
     if save is not None:
-        atomic_write(save, json.dumps(data))
+        keep(records, complete=True)
     if plot_file is not None:
         plot(data, plot_file)
     if as_json:
