@@ -841,6 +841,10 @@ def bench_accuracy(model: ModelOpt = None,
                        "--save", metavar="FILE", help="Also write the JSON result here after "
                        "every document, so a long run that stops keeps what it finished "
                        "(`ktlong bench plot FILE` draws it).")] = None,
+                   only: Annotated[str, typer.Option(
+                       "--only", metavar="I,J", help="Run just these of the --samples documents "
+                       "(0-based, comma-separated): the same documents as in the whole run, "
+                       "e.g. to read again one that missed.")] = "",
                    as_json: JsonOpt = False) -> None:
     """Passkey, kv-retrieval and needle accuracy per profile and length (default: demo model)."""
     if save is not None and (save.is_dir() or not save.parent.is_dir()
@@ -860,6 +864,10 @@ def bench_accuracy(model: ModelOpt = None,
         raise KtlongError(f"--haystack {haystack!r}: unknown",
                           hint=f"haystacks: {', '.join(tasks.HAYSTACKS)}")
     plot_file = _plot_file(plot, png)
+    picks = [x.strip() for x in only.split(",") if x.strip()]
+    if any(not x.isdigit() or int(x) >= samples for x in picks):
+        raise KtlongError(f"--only {only!r}: not sample numbers below --samples {samples}",
+                          hint="give 0-based numbers, e.g. --samples 3 --only 0,2")
     from ktlong.demo import accuracy
 
     names = [p.strip() for p in profiles.split(",") if p.strip()]
@@ -882,10 +890,12 @@ def bench_accuracy(model: ModelOpt = None,
                f"{'' if task_names == list(tasks.TASKS) else f' --tasks {asked}'}"
                f"{'' if haystack == 'filler' else f' --haystack {haystack}'}"
                f"{' --lead' if lead else ''}{f' --seed {seed}' if seed else ''}"
+               f"{f' --only {only}' if picks else ''}"
                f"{f' -t {threads}' if threads else ''}{f' --device {device}' if device else ''}")
     accuracy.main(model, _lengths(lengths), samples, names, as_json, plot_file, threads, seed,
                   command, task_names, haystack, lead, device=coerce("device", device or "AUTO",
-                                                                     "--device"), save=save)
+                                                                     "--device"), save=save,
+                  only=[int(x) for x in picks])
 
 
 @bench_app.command("cache")

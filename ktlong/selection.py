@@ -22,6 +22,7 @@ will be read from, not at its own (RoPE's decay would favour the near ones).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,6 +85,8 @@ class SelectionPolicy:
         self._groups: dict[int, tuple[np.ndarray, int]] = {}  # group -> (selected [S, k], local0)
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
         self._pins: dict[int, np.ndarray] = {}  # layer -> the question's blocks, ascending
+        # the last question votes' rankings, best first: [n candidates] int32 block ids each
+        self.vote_orders: deque[np.ndarray] = deque(maxlen=4)
         self.inv_freq: np.ndarray | None = None  # [rot/2] the model's RoPE frequencies
         self.head_dim = spec.head_dim
         self._turns: kernels.Turns | None = None  # block_positions COMPACT's query turns
@@ -451,6 +454,7 @@ class SelectionPolicy:
             if self.store.mapped:
                 self.store.release_mapped()
         order = cand[np.argsort(-vote[cand], kind="stable")]
+        self.vote_orders.append(order)
         m = min(self.s.question_blocks, cand.size)
         if self.s.select_neighbours:
             pins = with_neighbours(-np.arange(cand.size, dtype=np.float32)[None], order, m)[0]

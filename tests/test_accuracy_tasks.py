@@ -6,6 +6,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -325,3 +326,24 @@ def test_licenses_haystack_without_the_texts_is_one_clear_error(monkeypatch) -> 
     monkeypatch.setattr(real, "sections", lambda licenses_only=False: ())
     with pytest.raises(KtlongError, match="no prose found"):
         tasks.make_mixed(1, 2000, {"passkey": 0.5}, haystack="licenses")
+
+
+@pytest.mark.skipif(not (MODEL_DIR / "tokenizer.json").exists(), reason="no demo tokenizer")
+def test_the_fact_is_found_in_the_ids_and_ranked_by_its_best_block() -> None:
+    """fact_span finds the asked sentence's tokens where the document holds them (whatever joins
+    it to its neighbours); fact_rank is the place of its best block in a vote's ranking."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    s = tasks.make_mixed(11, 3000, {"passkey": 0.4, "needle": 0.8})
+    ids = tok(s.document, add_special_tokens=False)["input_ids"]
+    for f in s.asked:
+        a, b = acc.fact_span(ids, tok, f.sentence)
+        assert f.value in tok.decode(ids[a:b]) and b - a <= len(tok(f.sentence)["input_ids"]) + 2
+        assert a / len(ids) == pytest.approx(f.depth, abs=0.05)
+    assert acc.fact_span(ids, tok, "Nowhere in this document at all, zebra quartz.") is None
+    order = np.array([7, 3, 12, 5, 4])  # a vote's ranking, best first
+    assert acc.fact_rank(order, (5 * 128 + 100, 5 * 128 + 140), 128) == 3  # blocks 5, 6: 5 is 4th
+    assert acc.fact_rank(order, (4 * 128 + 100, 5 * 128 + 10), 128) == 3  # blocks 4 (5th), 5
+    assert acc.fact_rank(order, (3 * 128 + 10, 3 * 128 + 30), 128) == 1
+    assert acc.fact_rank(order, (20 * 128, 20 * 128 + 5), 128) == -1

@@ -190,6 +190,32 @@ def test_bench_accuracy_save_keeps_the_documents_of_a_stopped_run(tmp_path, monk
     assert r.exit_code == 2 and "no folder" in r.output, r.output
 
 
+@needs_model
+def test_bench_accuracy_reads_again_one_document_and_ranks_the_fact(tmp_path) -> None:
+    """--only runs just the chosen documents of a run, the same ones; past the step's budget each
+    answer records where the question's vote ranked the fact's block (0: first), once per
+    vote (the question is voted on, read again with its blocks, and voted on again)."""
+    from ktlong.demo import accuracy
+
+    small = tmp_path / "small.yaml"
+    small.write_text("local_windows_len: 256\nsecond_select_num: 4\nquestion_blocks: 2\n")
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--lengths", "2K", "--samples", "3",
+                                 "--only", "2", "--profiles", f"dense,{small}", "--tasks",
+                                 "passkey,needle", "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "--only 2" in out["command"]
+    depths = accuracy.depths_for(2, 3, ["passkey", "needle"])
+    assert [(x["task"], x["depth"]) for x in out["records"]] \
+        == [(t, round(d, 3)) for t, d in depths.items()] * 2
+    sparse = [x for x in out["records"] if x["profile"] == str(small)]
+    assert all(x["ranks"] == [] for x in out["records"] if x["profile"] == "dense")
+    assert all(len(x["ranks"]) == 2 and all(-1 <= k < 16 for k in x["ranks"]) for x in sparse)
+    assert "the fact's block ranked passkey" in r.output
+    r = CliRunner().invoke(app, ["bench", "accuracy", "--samples", "3", "--only", "0,3"])
+    assert r.exit_code == 2 and "--only '0,3'" in r.output, r.output
+
+
 def test_bench_accuracy_rejects_an_unknown_profile() -> None:
     r = CliRunner().invoke(app, ["bench", "accuracy", "--profiles", "dense,nosuch"])
     assert r.exit_code == 2 and "nosuch" in r.output

@@ -45,6 +45,9 @@ class Record:
     correct: bool
     answer: str
     attended: float  # share of context blocks read per decode step
+    # per question vote (question_blocks): the rank of the fact's best block among the
+    # candidates, 0 first, -1 none of them (in the local window); empty: no vote or no fact found
+    ranks: list[int] = dataclasses.field(default_factory=list)
 
 
 def depths_for(i: int, n: int, task_names: Sequence[str] = tasks.TASKS) -> dict[str, float]:
@@ -79,6 +82,29 @@ def _prefill_key(st: Any) -> tuple[Any, ...]:
     return ("DENSE", st.kv_type)
 
 
+def fact_span(doc_ids: Sequence[int], tok: Any, sentence: str) -> tuple[int, int] | None:
+    """`[start, end)`: the token positions of `sentence` in `doc_ids`, where its tokens (less
+    the first and last, which may merge with their neighbours) first occur; None if they do not."""
+    import numpy as np
+
+    ids = np.asarray(tok(" " + sentence.strip(), add_special_tokens=False)["input_ids"][1:-1])
+    doc = np.asarray(doc_ids, np.int64)
+    if ids.size == 0 or doc.size < ids.size:
+        return None
+    hit = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(doc, ids.size) == ids).all(1))
+    return (int(hit[0]) - 1, int(hit[0]) + ids.size + 1) if hit.size else None
+
+
+def fact_rank(order: Any, span: tuple[int, int], block_size: int) -> int:
+    """The place in a vote's ranking `order` ([n] block ids, best first) of the best block
+    holding part of the token span; -1 when none of them is ranked."""
+    import numpy as np
+
+    blocks = np.arange(span[0] // block_size, (span[1] - 1) // block_size + 1)
+    where = np.flatnonzero(np.isin(order, blocks))
+    return int(where[0]) if where.size else -1
+
+
 def _copy_store(src: Any, shape: Any, n: int, capacity: int) -> Any:
     """A fresh store of `shape` holding the first `n` tokens of `src` (a memcpy, no forward)."""
     from ktlong.kvstore import KVStore
@@ -95,13 +121,15 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
         seed: int = 0, threads: int = 0, report: Callable[[str], None] | None = None,
         task_names: Sequence[str] = tasks.TASKS, haystack: str = "filler",
         lead: bool = False, device: str = "AUTO",
-        done: Callable[[list[Record]], None] | None = None) -> list[Record]:
+        done: Callable[[list[Record]], None] | None = None,
+        only: Sequence[int] = ()) -> list[Record]:
     """Every (length, sample, task, profile); `report` gets one line per document, `done` the
     records so far after each document.
     `task_names`: of tasks.ALL_TASKS; `haystack`: of tasks.HAYSTACKS; `lead`: each answer starts
     with the reference answer's words before the value (`Fact.lead`), given in the prompt;
     `device`: where the model runs (AUTO: CUDA when present: the prefill on the GPU, the
-    block-sparse decode attention on the CPU), as in a chat."""
+    block-sparse decode attention on the CPU), as in a chat; `only`: run just these samples
+    (0-based) of the `samples` documents, the same documents as in the whole run."""
     from ktlong.config import resolve_settings
     from ktlong.conversation import Conversation
     from ktlong.engine import Sampling, Session
@@ -133,6 +161,8 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                 over = {**common, **{k: getattr(st, k) for k in PREFILL_KEYS}}
                 bases[key] = resolve_settings("dense", over, config_file=False).settings
         for i in range(samples):
+            if only and i not in only:
+                continue
             t0 = time.perf_counter()
             sample = tasks.make_mixed(seed * 1_000_003 + n_tok * 101 + i, n_tok,
                                       depths_for(i, samples, task_names), count=count,
@@ -144,6 +174,7 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
             prompts = [conv.prompt_ids(f.question)
                        + (tok(h, add_special_tokens=False)["input_ids"] if h else [])
                        for f, h in zip(sample.asked, heads, strict=True)]
+            spans = [fact_span(doc_ids, tok, f.sentence) for f in sample.asked]
 
             prefilled = {}
             for key, base in bases.items():
@@ -166,8 +197,10 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                         store.window_rows = s0.window.state(len(doc_ids))
                     sess = Session(lm, st, store=store, tokens=doc_ids)
                     sess.policy.on_prefill_end(s0.router.captured, len(doc_ids))
-                right = 0
-                for fact, head, prompt in zip(sample.asked, heads, prompts, strict=True):
+                right, ranked = 0, []
+                for fact, head, prompt, span in zip(sample.asked, heads, prompts, spans,
+                                                    strict=True):
+                    sess.policy.vote_orders.clear()
                     sess.extend_to(prompt)
                     ids, share = [], 1.0
                     for step in sess.generate(Sampling(max_new_tokens=MAX_NEW_TOKENS,
@@ -178,9 +211,15 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                     answer = head + tok.decode(ids, skip_special_tokens=True)
                     ok = tasks.is_correct(fact, answer)
                     right += ok
+                    ranks = [] if span is None else [fact_rank(o, span, st.block_size)
+                                                     for o in sess.policy.vote_orders]
+                    if ranks:
+                        ranked.append(f"{fact.kind} {' then '.join(map(str, ranks))}")
                     out.append(Record(n_tok, fact.kind, name, round(fact.depth, 3), ok, answer,
-                                      round(share, 4)))
-                line.append(f"{name} {right}/{len(sample.asked)}")
+                                      round(share, 4), ranks))
+                line.append(f"{name} {right}/{len(sample.asked)}"
+                            + (f" (the fact's block ranked {', '.join(ranked)})" if ranked
+                               else ""))
                 del sess
             for name in peers:
                 t1 = time.perf_counter()
@@ -397,7 +436,7 @@ def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Seq
          as_json: bool = False, plot_file: Path | None = None, threads: int = 0, seed: int = 0,
          command: str = "ktlong bench accuracy", task_names: Sequence[str] = tasks.TASKS,
          haystack: str = "filler", lead: bool = False, device: str = "AUTO",
-         save: Path | None = None) -> None:
+         save: Path | None = None, only: Sequence[int] = ()) -> None:
     """Run, then print the result (JSON or a table) and draw it; with `save`, the JSON is also
     written there after every document (atomically: a stopped run keeps what it measured,
     marked `"complete": false`)."""
@@ -428,7 +467,8 @@ def main(model: Path | None, lengths: Sequence[int], samples: int, profiles: Seq
 
     records = run(model, lengths, samples, profiles, seed, threads,
                   report=lambda line: err.print(line, highlight=False), task_names=task_names,
-                  haystack=haystack, lead=lead, device=device, done=keep if save else None)
+                  haystack=haystack, lead=lead, device=device, done=keep if save else None,
+                  only=only)
     data = result(records, True)
     if save is not None:
         keep(records, complete=True)
