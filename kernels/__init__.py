@@ -122,7 +122,7 @@ try:
 finally:
     numba.config.CACHE_DIR = _saved_cache_dir
 
-from ._simd import f32_to_kv, kv_to_f64  # noqa: E402
+from ._simd import f32_to_kv, kv_to_f64, put_token  # noqa: E402
 from .threads import auto_threads, configure_threads  # noqa: E402
 
 KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
@@ -132,9 +132,10 @@ __all__ = [
     "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "block_lse", "cache_dir",
     "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
     "dequant_rows", "f32_to_kv", "gated", "gated_ref", "gemv", "gemv_ref", "kv_to_f64", "layer_kv",
-    "merge_partials", "merge_partials_ref", "prefill_index", "prefill_sparse", "q8_encode",
-    "qgemv", "qgemv_ref", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref", "rope",
-    "rope_ref", "rope_turns", "turned_ref", "score_blocks", "score_blocks_ref", "select_attend",
-    "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash", "topk_blocks",
-    "topk_blocks_ref", "turn_blocks", "turned_back_ref", "window_attend", "window_attend_ref",
+    "merge_partials", "merge_partials_ref", "prefill_index", "prefill_sparse", "put_token",
+    "q8_encode", "qgemv", "qgemv_ref", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref",
+    "rope", "rope_ref", "rope_turns", "turned_ref", "score_blocks", "score_blocks_ref",
+    "select_attend", "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash",
+    "topk_blocks", "topk_blocks_ref", "turn_blocks", "turned_back_ref", "window_attend",
+    "window_attend_ref",
 ]

@@ -4,7 +4,9 @@ Work is split over (KV head x part of the block list); parts merge by log-sum-ex
 its blocks in chunks of CH rows: scores for 4 query heads x 4 rows per register tile (each K/V row
 is read once from memory for the whole GQA group), an online softmax per chunk, then p @ V in the
 same tiles. A group of g heads takes g // 4 such tiles and, for the last g % 4 heads, tiles of
-that many (no padded rows: g = 3, 7 do no work for a fourth or eighth head). Scores are in log2
+that many (no padded rows: g = 3, 7 do no work for a fourth or eighth head). With AVX2's 16
+registers (W = 8) a 4 x 4 tile spills its accumulators every channel group: scores take tiles of
+up to 4 heads x 2 rows and p @ V a pass per channel group for up to 4 heads. Scores are in log2
 units (q is pre-scaled by scale * log2(e)) for the exp2 polynomial.
 Queries and outputs use the packed channel order of `packed_channels` (see _vec.py).
 
@@ -94,9 +96,14 @@ def _tile_rows(ra, pf, t, nt, npf, ng, nl, lpg):
     p1 = min(t + 4, npf)
     if lpg * ng < nl:  # lines the groups leave over, taken at the tile's start (AVX2: all)
         _prefetch_lines(pf, t, p1, lpg * ng, nl)
-    last = nt - 1
-    return ra[t], ra[min(t + 1, last)], ra[min(t + 2, last)], ra[min(t + 3, last)], p1, \
-        _next_rows(pf, t, p1)
+    return ra[t], ra[t + 1], ra[t + 2], ra[t + 3], p1, _next_rows(pf, t, p1)
+
+
+@njit(inline="always", cache=True)
+def _pad_rows(ra, nt):
+    """ra[nt:ceil4(nt)] = ra[nt - 1]: a chunk's last tile reads its last row again, unclamped."""
+    for i in range(nt, -(-nt // 4) * 4):
+        ra[i] = ra[nt - 1]
 
 
 @njit(inline="always", cache=True)
@@ -139,13 +146,51 @@ def _qk_rest(qp, h, n, tag, ra, nt, d, s, pf, npf):
             vsum4(s, h + 2, t, a20, a21, a22, a23)
 
 
+@njit(inline="always", cache=True)
+def _qk_two(qp, h, n, tag, k0, k1, d, ng):
+    """Lane partials of qp[h + i] . K rows k0, k1 for the n (1-4, a constant at each call site)
+    heads from h, over every channel group: (a00, a01, a10, a11, ...), zeros past n."""
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = vzero()
+    for gi in range(ng):
+        c = gi * 2 * W
+        e0, o0 = vload2(tag, k0, d, gi)
+        e1, o1 = vload2(tag, k1, d, gi)
+        qe, qo = vload(qp, h, c), vload(qp, h, c + W)
+        a00, a01 = vfma(qe, e0, vfma(qo, o0, a00)), vfma(qe, e1, vfma(qo, o1, a01))
+        if n > 1:
+            qe, qo = vload(qp, h + 1, c), vload(qp, h + 1, c + W)
+            a10, a11 = vfma(qe, e0, vfma(qo, o0, a10)), vfma(qe, e1, vfma(qo, o1, a11))
+        if n > 2:
+            qe, qo = vload(qp, h + 2, c), vload(qp, h + 2, c + W)
+            a20, a21 = vfma(qe, e0, vfma(qo, o0, a20)), vfma(qe, e1, vfma(qo, o1, a21))
+        if n > 3:
+            qe, qo = vload(qp, h + 3, c), vload(qp, h + 3, c + W)
+            a30, a31 = vfma(qe, e0, vfma(qo, o0, a30)), vfma(qe, e1, vfma(qo, o1, a31))
+    return a00, a01, a10, a11, a20, a21, a30, a31
+
+
+@njit(inline="always", cache=True)
+def _qk_pairs(qp, h, n, tag, k0, k1, k2, k3, t, d, ng, s):
+    """s[h + i, t:t + 4] for the n heads from h against rows k0..k3, two rows a pass."""
+    x = _qk_two(qp, h, n, tag, k0, k1, d, ng)
+    y = _qk_two(qp, h, n, tag, k2, k3, d, ng)
+    vsum4(s, h, t, x[0], x[1], y[0], y[1])
+    if n > 1:
+        vsum4(s, h + 1, t, x[2], x[3], y[2], y[3])
+    if n > 2:
+        vsum4(s, h + 2, t, x[4], x[5], y[4], y[5])
+    if n > 3:
+        vsum4(s, h + 3, t, x[6], x[7], y[6], y[7])
+
+
 @njit(fastmath=FASTMATH, cache=True)
 def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
     """s[r, i] = qp[r] . K row i for rows i < nt (row i at address ra[i], d channels, tag's dtype).
 
     qp [R, P] packed queries (any R: heads in register tiles of 4 heads x 4 rows, the last
-    R % 4 heads in tiles of that many, in a second pass over the rows); s [R, CH]; columns
-    nt..ceil4(nt) repeat the last row.
+    R % 4 heads in tiles of that many, in a second pass over the rows; with AVX2 tiles of up to 4
+    heads x 2 rows, `_qk_pairs`); s [R, CH]; columns nt..ceil4(nt) repeat the last row, whose
+    address is written to ra[nt:ceil4(nt)] (ra holds CH).
     Rows pf[:npf] (the next chunk) are prefetched a tile at a time, a few lines per channel
     group, so the prefetches interleave evenly with the loads and FMAs. (A read loop of the same
     shape streams DRAM at 82-86% of the bulk rate this way, 66-76% with a tile's prefetches at
@@ -155,6 +200,21 @@ def qk_tiles(qp, tag, ra, nt, d, s, pf, npf):
     nl = -(-kv_row_bytes(tag, d) // 64)  # cache lines per row
     lpg = nl // ng  # lines prefetched with each channel group
     r4 = qp.shape[0] - qp.shape[0] % 4  # heads in groups of 4
+    if nt > 0:
+        _pad_rows(ra, nt)
+    if W == 8:  # 16 registers: tiles of up to 4 heads x 2 rows, all prefetches at a tile's start
+        n = qp.shape[0] - r4
+        for t in range(0, nt, 4):
+            k0, k1, k2, k3, p1, f = _tile_rows(ra, pf, t, nt, npf, ng, nl, 0)
+            for h in range(0, r4, 4):
+                _qk_pairs(qp, h, 4, tag, k0, k1, k2, k3, t, d, ng, s)
+            if n == 3:
+                _qk_pairs(qp, r4, 3, tag, k0, k1, k2, k3, t, d, ng, s)
+            elif n == 2:
+                _qk_pairs(qp, r4, 2, tag, k0, k1, k2, k3, t, d, ng, s)
+            elif n == 1:
+                _qk_pairs(qp, r4, 1, tag, k0, k1, k2, k3, t, d, ng, s)
+        return
     for t in range(0, nt if r4 else 0, 4):
         k0, k1, k2, k3, p1, f = _tile_rows(ra, pf, t, nt, npf, ng, nl, lpg)
         for h in range(0, r4, 4):
@@ -212,29 +272,32 @@ def _pv_head(s, h, t, x0, x1, x2, x3, ae, ao, y0, y1, y2, y3):
 
 @njit(inline="always", cache=True)
 def _pv_group(s, h, n, tag, rv, nt, d, acc, gi, pf, npf, lo, hi):
-    """acc[h + i, channel group gi] += s[h + i, :nt] @ V rows rv[:nt] for the n (1-3, a constant
+    """acc[h + i, channel group gi] += s[h + i, :nt] @ V rows rv[:nt] for the n (1-4, a constant
     at each call site: the other heads' code compiles away) heads from h, 4 rows at a time, the
     accumulators in registers; prefetches lines lo..hi-1 of the next chunk's rows pf[:npf]."""
     c = gi * 2 * W
     a0e, a0o = vload(acc, h, c), vload(acc, h, c + W)
-    a1e = a1o = a2e = a2o = vzero()
+    a1e = a1o = a2e = a2o = a3e = a3o = vzero()
+    if n > 3:
+        a3e, a3o = vload(acc, h + 3, c), vload(acc, h + 3, c + W)
     if n > 1:
         a1e, a1o = vload(acc, h + 1, c), vload(acc, h + 1, c + W)
     if n > 2:
         a2e, a2o = vload(acc, h + 2, c), vload(acc, h + 2, c + W)
-    last = nt - 1
     for t in range(0, nt, 4):
         p1 = min(t + 4, npf)
         _prefetch_group(pf, t, p1, _next_rows(pf, t, p1), lo, hi)
         e0, o0 = vload2(tag, rv[t], d, gi)
-        e1, o1 = vload2(tag, rv[min(t + 1, last)], d, gi)
-        e2, o2 = vload2(tag, rv[min(t + 2, last)], d, gi)
-        e3, o3 = vload2(tag, rv[min(t + 3, last)], d, gi)
+        e1, o1 = vload2(tag, rv[t + 1], d, gi)
+        e2, o2 = vload2(tag, rv[t + 2], d, gi)
+        e3, o3 = vload2(tag, rv[t + 3], d, gi)
         a0e, a0o = _pv_head(s, h, t, e0, e1, e2, e3, a0e, a0o, o0, o1, o2, o3)
         if n > 1:
             a1e, a1o = _pv_head(s, h + 1, t, e0, e1, e2, e3, a1e, a1o, o0, o1, o2, o3)
         if n > 2:
             a2e, a2o = _pv_head(s, h + 2, t, e0, e1, e2, e3, a2e, a2o, o0, o1, o2, o3)
+        if n > 3:
+            a3e, a3o = _pv_head(s, h + 3, t, e0, e1, e2, e3, a3e, a3o, o0, o1, o2, o3)
     vstore(acc, h, c, a0e)
     vstore(acc, h, c + W, a0o)
     if n > 1:
@@ -243,11 +306,14 @@ def _pv_group(s, h, n, tag, rv, nt, d, acc, gi, pf, npf, lo, hi):
     if n > 2:
         vstore(acc, h + 2, c, a2e)
         vstore(acc, h + 2, c + W, a2o)
+    if n > 3:
+        vstore(acc, h + 3, c, a3e)
+        vstore(acc, h + 3, c + W, a3o)
 
 
 @njit(inline="always", cache=True)
 def _pv_rest(s, tag, rv, nt, d, acc, h, pf, npf):
-    """`_pv_tiles` for the heads h.. (1-3 of them): a pass over the rows per channel group, the
+    """`_pv_tiles` for the heads h.. (1-4 of them): a pass over the rows per channel group, the
     group's accumulators in registers. (A 4 x 4 tile adds to acc in memory and the next tile
     reloads it: that round trip, not the FMAs, bounds it, and a 3 x 4 tile took as long as the
     4 x 4; these passes 0.6-0.75x the time, ad hoc, warm, SmolLM2's shape.) Prefetches the lines
@@ -255,10 +321,12 @@ def _pv_rest(s, tag, rv, nt, d, acc, h, pf, npf):
     ng = acc.shape[1] // (2 * W)
     nl = -(-kv_row_bytes(tag, d) // 64)
     lpg = nl // ng
-    n = acc.shape[0] - h
+    n = min(4, acc.shape[0] - h)
     for gi in range(ng):
         lo, hi = gi * lpg, nl if gi == ng - 1 else gi * lpg + lpg  # the last takes the rest
-        if n == 3:
+        if n == 4:
+            _pv_group(s, h, 4, tag, rv, nt, d, acc, gi, pf, npf, lo, hi)
+        elif n == 3:
             _pv_group(s, h, 3, tag, rv, nt, d, acc, gi, pf, npf, lo, hi)
         elif n == 2:
             _pv_group(s, h, 2, tag, rv, nt, d, acc, gi, pf, npf, lo, hi)
@@ -272,13 +340,20 @@ def _pv_tiles(s, tag, rv, nt, d, acc, pf, npf):
     """acc[r] += sum_i s[r, i] * V row i over rows i < nt (row i at address rv[i]).
 
     s [R, CH] probabilities with columns nt..ceil4(nt) zero; acc [R, P] packed (any R: heads in
-    register tiles of 4 heads x 4 rows, the last R % 4 heads by `_pv_rest`). Rows pf[:npf] are
-    prefetched as in qk_tiles.
+    register tiles of 4 heads x 4 rows, the last R % 4 heads by `_pv_rest`; with AVX2 all heads
+    by `_pv_rest`, 4 at a time). Rows pf[:npf] are prefetched as in qk_tiles; rv[nt:ceil4(nt)]
+    is overwritten with the last row.
     """
     ng = acc.shape[1] // (2 * W)
     nl = -(-kv_row_bytes(tag, d) // 64)
     lpg = nl // ng
     r4 = acc.shape[0] - acc.shape[0] % 4  # heads in groups of 4
+    if nt > 0:
+        _pad_rows(rv, nt)
+    if W == 8:  # 16 registers: up to 4 heads a pass per channel group, accumulators in registers
+        for h in range(0, acc.shape[0], 4):
+            _pv_rest(s, tag, rv, nt, d, acc, h, pf, npf if h == 0 else 0)
+        return
     for t in range(0, nt if r4 else 0, 4):
         v0, v1, v2, v3, p1, f = _tile_rows(rv, pf, t, nt, npf, ng, nl, lpg)
         for h in range(0, r4, 4):

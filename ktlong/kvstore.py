@@ -427,21 +427,36 @@ class KVStore:
         if self.shape.kv_type in QUANT_KV:
             return self.write(layer, torch.from_numpy(k)[:, None], torch.from_numpy(v)[:, None])
         kind = KV_TYPES[self.shape.kv_type][2]
-        return self.write_rows(layer, kernels.f32_to_kv(k, kind)[:, None],
-                               kernels.f32_to_kv(v, kind)[:, None])
+        if kind == 2:
+            return self.write_rows(layer, kernels.f32_to_kv(k, kind)[:, None],
+                                   kernels.f32_to_kv(v, kind)[:, None])
+        start, off = self._room(layer, 1)  # FP32, BF16: encoded and placed in one kernel call
+        kernels.put_token(self.k_tail[layer], self.v_tail[layer], off,
+                          np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32))
+        return self._wrote(layer, start, off, 1)
 
     def write_rows(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
         """Append rows already in the storage format, `[Hkv, n, row]`."""
-        start, n = self.lengths[layer], k.shape[1]
+        n = k.shape[1]
+        start, off = self._room(layer, n)
+        H = self.shape.n_kv_heads
+        self.k_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = k
+        self.v_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = v
+        return self._wrote(layer, start, off, n)
+
+    def _room(self, layer: int, n: int) -> tuple[int, int]:
+        """(first position, its row in the tail) of n tokens to append to `layer`, or the error
+        of a full store."""
+        start = self.lengths[layer]
         if start + n > self.capacity:
             raise KtlongError(
                 f"the conversation needs {start + n} tokens but max_seq_len is {self.capacity}",
                 hint="raise max_seq_len (ktlong memcheck) or /reset",
             )
-        off = start - self.nb_base * self.shape.block_size
-        H = self.shape.n_kv_heads
-        self.k_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = k
-        self.v_tail[layer].reshape(H, -1, self.row)[:, off : off + n] = v
+        return start, start - self.nb_base * self.shape.block_size
+
+    def _wrote(self, layer: int, start: int, off: int, n: int) -> int:
+        """Count n tokens appended to `layer` at `start` (tail row `off`); returns start."""
         self.lengths[layer] = start + n
         if self.tier is None and not self._huge[layer] and off + n >= self._huge_from:
             for t in (self.k_tail, self.v_tail):

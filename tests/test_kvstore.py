@@ -94,6 +94,33 @@ def _fill(store, rng, n):
 
 @pytest.mark.parametrize("kv_type", list(KV_TYPES))
 @pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_decode_steps_store_each_token_as_the_bulk_write_does(kv_type, tier, tmp_path):
+    """write_f32 (one token, one kernel call for FP32 / BF16) across block borders equals the
+    same tokens written in bulk, ties rounded to even included; a full store refuses in one line."""
+    shape = StoreShape(2, 2, 64, 16, kv_type, 1)
+    step = KVStore(shape, 40, tier_dir=tmp_path / "tier" if tier == "disk" else None)
+    bulk = KVStore(shape, 40)
+    rng = np.random.default_rng(4)
+    k = _values(rng, (2, 40, 64))
+    v = _values(rng, (2, 40, 64))
+    k[0, 3, :4] = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F807FFF], np.uint32).view(
+        np.float32)  # bfloat16 ties (to even: down, up), a negative tie, just under a tie
+    for layer in range(2):
+        bulk.write(layer, torch.from_numpy(k), torch.from_numpy(v))
+        for t in range(40):
+            assert step.write_f32(layer, k[:, t], v[:, t]) == t
+        for a, b in zip(step.row_range(layer, 0, 40), bulk.row_range(layer, 0, 40), strict=True):
+            np.testing.assert_array_equal(a, b)
+    if kv_type == "BF16":
+        np.testing.assert_array_equal(step.row_range(0, 3, 4)[0][0, 0, :4],
+                                      [0x3F80, 0x3F82, 0xBF80, 0x3F80])
+    with pytest.raises(KtlongError, match="max_seq_len is 40"):
+        step.write_f32(0, k[:, 0], v[:, 0])
+    assert step.lengths[0] == 40
+
+
+@pytest.mark.parametrize("kv_type", list(KV_TYPES))
+@pytest.mark.parametrize("tier", ["ram", "disk"])
 def test_store_reads_back_what_it_wrote(kv_type, tier, tmp_path):
     shape = StoreShape(2, 2, 64, 16, kv_type, 1)
     store = KVStore(shape, 300, tier_dir=tmp_path / "tier" if tier == "disk" else None)
