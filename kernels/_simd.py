@@ -82,35 +82,6 @@ def f32_to_kv(x: np.ndarray, kv_kind: int) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def put_token(k_dst: np.ndarray, v_dst: np.ndarray, t: int, k: np.ndarray, v: np.ndarray) -> None:
-    """Row t (= block t // bs, row t % bs) of every head of k_dst, v_dst [H, nb, bs, d] = one
-    token's k, v [H, d] float32 (C-contiguous): copied (float32 arrays) or as bfloat16 bits
-    (uint16 arrays, rounded to nearest even as `f32_to_kv`). A decode step's write in one call."""
-    if k_dst.dtype == np.uint16:
-        _put_bf16(k_dst, v_dst, t, k.view(np.uint32), v.view(np.uint32))
-    else:
-        _put_f32(k_dst, v_dst, t, k, v)
-
-
-@njit(nogil=True, cache=True)
-def _put_bf16(k_dst, v_dst, t, k, v):
-    # k, v [H, d] uint32: float32 bits
-    b, i = t // k_dst.shape[2], t % k_dst.shape[2]
-    for h in range(k.shape[0]):
-        for c in range(k.shape[1]):
-            w = np.uint64(k[h, c])
-            k_dst[h, b, i, c] = np.uint16((w + 0x7FFF + ((w >> 16) & 1)) >> 16)
-            w = np.uint64(v[h, c])
-            v_dst[h, b, i, c] = np.uint16((w + 0x7FFF + ((w >> 16) & 1)) >> 16)
-
-
-@njit(nogil=True, cache=True)
-def _put_f32(k_dst, v_dst, t, k, v):
-    b, i = t // k_dst.shape[2], t % k_dst.shape[2]
-    k_dst[:, b, i, :] = k
-    v_dst[:, b, i, :] = v
-
-
 @intrinsic
 def to_f32(typingctx, x):
     """KV element -> float32: identity, bf16 bits (shift left 16, bit-cast), fp16 bits (fpext)."""
@@ -185,3 +156,26 @@ def to_bf16(typingctx, x):
         u = builder.add(u, builder.add(odd, ir.Constant(i32, 0x7FFF)))
         return builder.trunc(builder.lshr(u, ir.Constant(i32, 16)), ir.IntType(16))
     return types.uint16(x), codegen
+
+
+def put_token(k_dst: np.ndarray, v_dst: np.ndarray, t: int, k: np.ndarray, v: np.ndarray) -> None:
+    """Row t (= block t // bs, row t % bs) of every head of k_dst, v_dst [H, nb, bs, d] = one
+    token's k, v [H, d] float32: copied (float32 arrays) or as bfloat16 bits (uint16 arrays,
+    `to_bf16`). A decode step's write in one call."""
+    (_put_bf16 if k_dst.dtype == np.uint16 else _put_f32)(k_dst, v_dst, t, k, v)
+
+
+@njit(nogil=True, cache=True)
+def _put_bf16(k_dst, v_dst, t, k, v):
+    b, i = t // k_dst.shape[2], t % k_dst.shape[2]
+    for h in range(k.shape[0]):
+        for c in range(k.shape[1]):
+            k_dst[h, b, i, c] = to_bf16(k[h, c])
+            v_dst[h, b, i, c] = to_bf16(v[h, c])
+
+
+@njit(nogil=True, cache=True)
+def _put_f32(k_dst, v_dst, t, k, v):
+    b, i = t // k_dst.shape[2], t % k_dst.shape[2]
+    k_dst[:, b, i, :] = k
+    v_dst[:, b, i, :] = v
