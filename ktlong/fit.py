@@ -6,10 +6,12 @@ model was never trained on).
   prefill reads (init_len + prefill_window) fit in 3/4 of the model's trained context; the last
   quarter is room for a prefill chunk, the partial block and the answer (`prefill_chunk`: an
   automatic chunk after a window is cut to that room, as CUDA's 4,096 would not fit it for a
-  model trained at 8K). Keys the user set keep
-  their values (one warning when they read past the trained context); the others shrink in
-  proportion, block_size and init_len kept. A model trained at 22K tokens or more keeps the
-  defaults (16.5K a step).
+  model trained at 8K). Keys the user set keep their values (one warning when they read past
+  the trained context); the others shrink, block_size and init_len kept: the blocks in
+  proportion to the room, the local window by the square of it, so a small budget goes to the
+  blocks the question chose rather than to the text just before it (an 8K model: 512 tokens of
+  window and 43 blocks; docs/benchmarks.md measures this on SmolLM2 from 16K to 128K). A model
+  trained at 22K tokens or more keeps the defaults (16.5K a step).
 - max_seq_len 0: what fits in free memory for this model, up to 1M tokens (past its trained
   context: sparse attention reads it in blocks); with attention DENSE up to its max positions.
 
@@ -50,8 +52,9 @@ def window_reads(st: Settings) -> int:
 
 def _fit_decode(st: Settings, cap: int, mine: set[str]) -> dict[str, int]:
     """second_select_num and local_windows_len (those the user left) shrunk so a step reads at
-    most `cap` tokens: both in proportion, or the one left takes the room. Nothing changes when
-    the user's own keys already fill `cap`."""
+    most `cap` tokens: the window by the square of the share of the room left, the blocks take
+    the rest; or the one left takes the room. Nothing changes when the user's own keys already
+    fill `cap`."""
     bs, sel, local = st.block_size, st.second_select_num, st.local_windows_len
     if st.attention != "SPARSE" or step_reads(st) <= cap:
         return {}
@@ -60,8 +63,9 @@ def _fit_decode(st: Settings, cap: int, mine: set[str]) -> dict[str, int]:
         - (0 if "local_windows_len" in left else local)
     if not left or room <= 0:  # the user's own keys already read past it: theirs to keep
         return {}
-    if len(left) == 2:  # the window keeps its share of the two
-        local_fit = max(bs, room * local // (sel * bs + local) // bs * bs)
+    if len(left) == 2:  # the window shrinks by the square of the share left
+        full = sel * bs + local
+        local_fit = max(bs, local * room * room // (full * full) // bs * bs)
         sel_fit = (room - local_fit) // bs
     elif left == ["local_windows_len"]:
         local_fit, sel_fit = max(bs, room // bs * bs), sel

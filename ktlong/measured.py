@@ -16,9 +16,11 @@ TASK_NAMES = {"passkey": "pass key", "needle": "needle", "kv": "key-value"}
 @dataclass(frozen=True)
 class Measured:
     model: str  # as the docs name it
-    results: tuple[str, ...]  # the runs' files in docs/results/
+    # the runs in docs/results/: (file, the profile as that run named it: a profile file for what
+    # later became the default is named by its path)
+    results: tuple[tuple[str, str], ...]
     haystack: str  # bench accuracy's --haystack
-    profile: str
+    profile: str  # the profile the cells are for, as a user names it
     cells: tuple[tuple[str, int, int, int], ...]  # (task, length, right, asked)
 
     def line(self) -> str:
@@ -45,29 +47,30 @@ def _cells(lengths: tuple[int, ...], **answers: str) -> tuple[tuple[str, int, in
     return tuple(out)
 
 
+LW512 = "/tmp/w/v/lw512.yaml"  # how those runs named the profile file
+
 MEASURED: dict[str, Measured] = {
-    "d7967d3c7de85dcf": Measured(  # -m smollm2; 4K from the first run (read whole, as today),
-        # the other lengths from the runs after it (a later file's cell replaces an earlier one's;
-        # a run of another --seed adds its documents to it)
+    "d7967d3c7de85dcf": Measured(  # -m smollm2; 4K read whole by any budget; the other lengths
+        # from runs that named today's fitted budget by its file (lw512.yaml), beside the fit
+        # before; 128K adds two documents read again under each setting (the -reads file).
+        # A run of other documents adds them to a cell; one of the same documents replaces it.
         "SmolLM2-135M-Instruct (Q4_1), trained at 8K",
-        ("accuracy-smollm2-licenses.json", "accuracy-smollm2-licenses-default.json",
-         "accuracy-smollm2-licenses-default-32k.json",
-         "accuracy-smollm2-licenses-default-32k-seed1.json",
-         "accuracy-smollm2-licenses-default-64k.json",
-         "accuracy-smollm2-licenses-default-64k-seed1.json",
-         "accuracy-smollm2-licenses-default-64k-seed2.json",
-         "accuracy-smollm2-licenses-default-128k.json",
-         "accuracy-smollm2-licenses-default-128k-seed1.json",
-         "accuracy-smollm2-licenses-default-128k-seed2.json"), "licenses", "default",
+        (("accuracy-smollm2-licenses.json", "default"),
+         *((f"accuracy-smollm2-licenses-{n}-local512{tail}.json", LW512) for n, tail in (
+             ("7k", ""), ("16k", ""), ("32k", ""), ("32k", "-seed1"), ("64k", ""),
+             ("64k", "-docs23"), ("64k", "-seed1"), ("64k", "-seed2"), ("128k", ""),
+             ("128k", "-seed1"), ("128k", "-seed2"))),
+         ("accuracy-smollm2-licenses-128k-misses-reads.json", "local_windows_len: 512")),
+        "licenses", "default",
         _cells((4096, 7168, 16384, 32768, 65536, 131072),
-               passkey="9/10 10/10 9/10 10/10 9/10 3/5",
-               needle="8/10 9/10 9/10 8/10 7/10 3/5")),
+               passkey="9/10 10/10 10/10 10/10 10/10 5/5",
+               needle="8/10 9/10 9/10 9/10 7/10 1/5")),
     "f08236ad06c52a7a": Measured(  # -m gemma3-270m
         "Gemma 3 270M (Q4_K_M), trained at 32K",
         # 16K is read whole; 32K was measured with the question's blocks voted at their own
         # distance and the question read once, 64K (the last file) as the default reads today
-        ("accuracy-gemma3-16k.json", "accuracy-gemma3-32k.json", "accuracy-gemma3-64k.json",
-         "accuracy-gemma3-64k-default.json"),
+        tuple((f"accuracy-gemma3-{n}.json", "default")
+              for n in ("16k", "32k", "64k", "64k-default")),
         "real", "default", _cells((16384, 32768, 65536), passkey="3/6 0/4 1/4",
                                   needle="6/6 4/4 4/4")),
 }

@@ -477,7 +477,7 @@ def _measured(spec: Any) -> dict[str, Any] | None:
     m = for_spec(spec)
     if m is None:
         return None
-    return {"model": m.model, "results": list(m.results), "haystack": m.haystack,
+    return {"model": m.model, "results": [f for f, _ in m.results], "haystack": m.haystack,
             "profile": m.profile,
             "cells": [dict(zip(("task", "tokens", "right", "asked"), c, strict=True))
                       for c in m.cells], "line": m.line()}

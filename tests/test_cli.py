@@ -295,8 +295,8 @@ def test_inspect_config_shows_what_was_fitted_to_a_model(shape_dir: Callable[...
     data = json.loads(r.stdout)
     s, src = data["settings"], data["sources"]
     fitted = "fitted to the model's trained context 8,192"
-    assert (s["local_windows_len"], src["local_windows_len"]) == (1408, fitted)
-    assert (s["second_select_num"], src["second_select_num"]) == (35, fitted)  # 256 + 35 x 128
+    assert (s["local_windows_len"], src["local_windows_len"]) == (512, fitted)
+    assert (s["second_select_num"], src["second_select_num"]) == (42, fitted)  # 256+42x128+512
     assert (s["init_len"], src["init_len"]) == (256, "flag")
     assert src["block_size"].startswith("config:") and src["max_seq_len"].startswith("auto: ")
     assert s["max_seq_len"] > 8192 and r.stderr.startswith(f"note: {fitted} tokens: ")
@@ -316,7 +316,7 @@ def test_memcheck_marks_lengths_past_the_trained_context(shape_dir: Callable[...
     assert data["trained_context"] == 8192
     assert [(r["tokens"], r["past_trained"]) for r in data["rows"]][:3] == [
         (4096, False), (8192, False), (32768, True)]
-    assert data["step_tokens"] == (1 + 36 + 11 + 1) * 128  # the budget fitted to 8K
+    assert data["step_tokens"] == (1 + 43 + 4 + 1) * 128  # the budget fitted to 8K
     r = run("memcheck", "-m", model, "--kv-type", "bf16")
     assert r.exit_code == 0, r.output
     rows = {w[0]: w for w in map(str.split, r.stdout.splitlines()) if w and w[0][0].isdigit()}

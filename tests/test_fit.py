@@ -26,7 +26,7 @@ def test_an_8k_model_reads_inside_its_trained_context(shape_dir: Callable[..., P
     st = r.settings
     assert fit.step_reads(st) <= 8192 * 3 // 4 and fit.window_reads(st) <= 8192 * 3 // 4
     assert (st.block_size, st.init_len) == (128, 128)  # kept; window and blocks shrink together
-    assert (st.second_select_num, st.local_windows_len, st.prefill_window) == (36, 1408, 6016)
+    assert (st.second_select_num, st.local_windows_len, st.prefill_window) == (43, 512, 6016)
     assert st.local_windows_len % st.block_size == 0 and st.question_blocks == 8
     for key in ("second_select_num", "local_windows_len", "prefill_window"):
         assert r.sources[key] == "fitted to the model's trained context 8,192"
@@ -88,7 +88,7 @@ def test_values_the_user_set_are_kept_with_one_warning(shape_dir: Callable[..., 
     # a flag always counts, even at the default's value; the default profile spells defaults out
     r = fitted(model, second_select_num=96)
     assert r.settings.second_select_num == 96 and len(r.notes) == 2
-    assert fitted(model, "default").settings.second_select_num == 36
+    assert fitted(model, "default").settings.second_select_num == 43
     assert fitted(model, "dense").settings.local_windows_len == 4096  # DENSE reads it all anyway
 
 

@@ -413,7 +413,7 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
             if i == rows - 1:
                 ax.set_xlabel("document tokens")
             if j == 0:
-                ax.set_ylabel(f"{p}\ndepth of the asked fact" if rows > 1 else
+                ax.set_ylabel(f"{Path(p).name}\ndepth of the asked fact" if rows > 1 else
                               "depth of the asked fact")
         cax = axes[i][cols]
         if i == 0 and image is not None:
@@ -425,7 +425,7 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
     n_min = min((len(v) for v in per_cell.values()), default=0)
     answers = f"{n_min}-{n_max}" if n_min < n_max else f"{n_max}"
     title = (f"accuracy by length and depth ({answers} answers per task and length"
-             + (f", profile {profiles[0]}" if rows == 1 and profiles else "")
+             + (f", profile {Path(profiles[0]).name}" if rows == 1 and profiles else "")
              + (f", {data['haystack']} haystack" if data.get("haystack", "filler") != "filler"
                 else "")
              + "; cell: % right)")
