@@ -16,8 +16,8 @@ TASK_NAMES = {"passkey": "pass key", "needle": "needle", "kv": "key-value"}
 @dataclass(frozen=True)
 class Measured:
     model: str  # as the docs name it
-    # the runs in docs/results/: (file, the profile as that run named it: a profile file for what
-    # later became the default is named by its path)
+    # the runs in docs/results/: (file, the profile as that run named it; a profile file by its
+    # file name, e.g. lw512.yaml for what later became the default)
     results: tuple[tuple[str, str], ...]
     haystack: str  # bench accuracy's --haystack
     profile: str  # the profile the cells are for, as a user names it
@@ -47,8 +47,6 @@ def _cells(lengths: tuple[int, ...], **answers: str) -> tuple[tuple[str, int, in
     return tuple(out)
 
 
-LW512 = "/tmp/w/v/lw512.yaml"  # how those runs named the profile file
-
 MEASURED: dict[str, Measured] = {
     "d7967d3c7de85dcf": Measured(  # -m smollm2; 4K read whole by any budget; the other lengths
         # from runs that named today's fitted budget by its file (lw512.yaml), beside the fit
@@ -56,7 +54,7 @@ MEASURED: dict[str, Measured] = {
         # A run of other documents adds them to a cell; one of the same documents replaces it.
         "SmolLM2-135M-Instruct (Q4_1), trained at 8K",
         (("accuracy-smollm2-licenses.json", "default"),
-         *((f"accuracy-smollm2-licenses-{n}-local512{tail}.json", LW512) for n, tail in (
+         *((f"accuracy-smollm2-licenses-{n}-local512{tail}.json", "lw512.yaml") for n, tail in (
              ("7k", ""), ("16k", ""), ("32k", ""), ("32k", "-seed1"), ("64k", ""),
              ("64k", "-docs23"), ("64k", "-seed1"), ("64k", "-seed2"), ("128k", ""),
              ("128k", "-seed1"), ("128k", "-seed2"))),

@@ -31,7 +31,7 @@ def _run_cells(run: dict, profile: str) -> list[tuple[str, int, int, int, set]]:
         only = [int(i) for i in _flag(cmd, "only", "").split(",") if i] or range(samples)
         return [(c["task"], c["length"], c["right"], c["n"],
                  {(seed, i) for i in list(only)[:c["n"]]})
-                for c in run["summary"] if c["profile"] == profile]
+                for c in run["summary"] if Path(c["profile"]).name == profile]
     # a re-read of chosen documents, one record per (document, settings, task)
     what = run["what"]
     seed, length = int(_flag(what, "seed", "0")), int(re.search(r"(\d+)K tokens", what)[1]) * 1024
