@@ -12,7 +12,7 @@ from ktlong.cli import main
 
 def test_agree_compares_answers_and_kv():
     rows = cuda.agree(archs=("llama",), cases=("dense", "locret"), n_tokens=700, n_new=4,
-                      gpu="CPU")
+                      gpu="CPU", threads=1)
     assert [r["case"] for r in rows] == ["dense", "locret"]
     for r in rows:
         assert len(r["tokens"]) == 4

@@ -69,6 +69,7 @@ def test_session_takes_idle_cores_unless_threads_num_is_set(monkeypatch):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs 2 Numba threads")  # the point is 1 vs 2
     lm = load_model(hf_model("llama", qk_scale=4.0), device="CPU", dtype="float32")
+    monkeypatch.setattr(kernels, "auto_threads", threads.auto_threads)  # conftest pins it
     monkeypatch.setattr(threads, "idle_cores", lambda interval=0.1: 1.0)  # one core busy
     monkeypatch.setattr(threads, "physical_cores", lambda: 2)  # a 2-core machine: floor 1
     s = Session(lm, settings(threads_num=0))

@@ -68,9 +68,11 @@ def _run(path: Path, device: str, ids: list[int], st: Settings, n_new: int) -> d
 
 
 def agree(archs: tuple[str, ...] = ARCHS, cases: tuple[str, ...] = tuple(CASES),
-          n_tokens: int = 3000, n_new: int = 24, gpu: str = "CUDA") -> list[dict[str, Any]]:
+          n_tokens: int = 3000, n_new: int = 24, gpu: str = "CUDA",
+          threads: int = 8) -> list[dict[str, Any]]:
     """Per (arch, case): the CPU's answer, and per GPU run (local window on the GPU or not)
-    whether its answer is the same, and the largest logit and K/V differences."""
+    whether its answer is the same, and the largest logit and K/V differences. One thread count
+    for every run: the CPU's sums split by threads, so a count that moved would move the bits."""
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, as on the CPU
     ids = torch.randint(2, 500, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
@@ -80,7 +82,8 @@ def agree(archs: tuple[str, ...] = ARCHS, cases: tuple[str, ...] = tuple(CASES),
             for case in cases:
                 if arch == "gemma3_text" and case == "locret":
                     continue  # LOCRET reads no sliding-window model
-                st = dataclasses.replace(Settings(), **{**TINY, **CASES[case]})
+                st = dataclasses.replace(Settings(), **{**TINY, **CASES[case]},
+                                         threads_num=threads)
                 ref = _run(path, "CPU", ids, st, n_new)
                 row: dict[str, Any] = {"arch": arch, "case": case, "tokens": ref["tokens"]}
                 for local in (True, False):
@@ -216,7 +219,7 @@ def main(as_json: bool, threads: int, model: Path | None = None,
         "command": "ktlong bench cuda" + (f" -m {model} --lengths {','.join(map(str, lengths))}"
                                           if model else "") + (f" -t {threads}" if threads else "")}
     if model is None:
-        result.update(agree=agree(), speed=speed(threads=threads or 8))
+        result.update(agree=agree(threads=threads or 8), speed=speed(threads=threads or 8))
     else:
         result.update(model=Path(model).name, agree=model_agree(model, threads=threads or 8),
                       speed=model_speed(model, lengths, threads=threads or 8))
