@@ -238,6 +238,14 @@ def _dot(w, qtype, r, x, x2, xs):
     return _dot_q4_01(ra, x2, xs, qtype == Q4_1)
 
 
+@njit(fastmath=FASTMATH, cache=True)
+def _float_rows(w, qtype, r0, r1, x, x2, xs, out):
+    # rows [r0, r1) of the float path into out; one compiled body for the serial and the
+    # parallel caller (inlined into each, a cached parallel region rounded differently)
+    for r in range(r0, r1):
+        out[r] = _dot(w, qtype, r, x, x2, xs)
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _qgemv(w, qtype, x, serial=False):
     # w [N, row_bytes] u8; x [K] f32 -> [N] f32. `serial`: on the calling thread alone
@@ -246,12 +254,10 @@ def _qgemv(w, qtype, x, serial=False):
     x2 = x.reshape(1, x.shape[0])  # [1, K]: rows of W lanes for vload
     out = np.empty(n, F32)
     if serial:
-        for r in range(n):
-            out[r] = _dot(w, qtype, r, x, x2, xs)
+        _float_rows(w, qtype, 0, n, x, x2, xs, out)
         return out
     for it in prange((n + RB - 1) // RB):
-        for r in range(it * RB, min(n, it * RB + RB)):
-            out[r] = _dot(w, qtype, r, x, x2, xs)
+        _float_rows(w, qtype, it * RB, min(n, it * RB + RB), x, x2, xs, out)
     return out
 
 
