@@ -132,6 +132,11 @@ class Settings:
                               "evenly spaced; 0 = every layer while the votes read at most 4M "
                               "keys in all (to 128K tokens at 32 layers), past that as many as "
                               "they allow (at least 4)", 0)
+    question_first_block: bool = _f("bool", True, "sparse attention", "question_blocks: the "
+                                    "first block (read first at every step) is voted on too, "
+                                    "less the chat template's tokens; when it comes first, its "
+                                    "document tokens are read once more just before the local "
+                                    "window")
     question_positions: str = _f("enum", "NEAR", "sparse attention", "question_blocks: NEAR "
                                  "reads them as if they sat just before the local window (the "
                                  "query turned back by each one's distance); AS_IS at their "

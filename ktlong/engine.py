@@ -211,6 +211,7 @@ class Session:
         self._cos: torch.Tensor | None = None  # [n_layers] during a prefill: cosine sums
         self.prefill_matmul = set_prefill_matmul(lm.model, settings.prefill_matmul)
         self.decoder = decoder.build(lm)  # one-token forwards without transformers' modules
+        self._template_head: list[int] | None = None  # an empty conversation's ids
         warm_up(lm, settings)  # every kernel this session runs, compiled before it is timed
 
     def _set_threads(self) -> None:
@@ -288,8 +289,22 @@ class Session:
         if self._cos is not None:
             self.store.add_layer_cos(self._cos.cpu().numpy(), n)
         if n > 1:
+            self.policy.doc_start = self._doc_start()
             self.policy.on_prefill_end(self.router.captured, self.pos)
         return logits
+
+    def _doc_start(self) -> int:
+        """Tokens the chat template puts before the document: those these tokens share with an
+        empty conversation's (at least 1, the first token)."""
+        if self._template_head is None:
+            from ktlong.conversation import Conversation
+
+            tok = self.lm.tokenizer
+            self._template_head = [] if tok is None else Conversation(tok, "").document_ids()
+        head = np.asarray(self._template_head, np.int64)
+        ids = np.asarray(self.tokens[: head.size], np.int64)
+        apart = np.flatnonzero(ids != head[: ids.size])
+        return max(1, int(apart[0]) if apart.size else ids.size)
 
     def _chunk_major(self, ids: list[int], start: int, bounds: list[tuple[int, int]],
                      progress: Progress | None, all_logits: bool) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from ktlong import kernels, squeeze
 from ktlong.config import Settings
 from ktlong.kvstore import KVStore
-from ktlong.shift import rotation
+from ktlong.shift import rerotate, rotation
 from ktlong.spec import ModelSpec
 
 _NONE = np.zeros(0, np.int32)
@@ -85,6 +85,9 @@ class SelectionPolicy:
         self._groups: dict[int, tuple[np.ndarray, int]] = {}  # group -> (selected [S, k], local0)
         self._preselected: dict[int, np.ndarray] = {}  # layer -> ascending block ids
         self._pins: dict[int, np.ndarray] = {}  # layer -> the question's blocks, ascending
+        self.doc_start = 1  # tokens before the document: the chat template's (set by Session)
+        self._head = False  # the init blocks topped the question's vote: their text read again
+        self._head_turn: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (local0, cos, sin)
         # the last question votes' rankings, best first: [n candidates] int32 block ids each
         self.vote_orders: deque[np.ndarray] = deque(maxlen=4)
         self.inv_freq: np.ndarray | None = None  # [rot/2] the model's RoPE frequencies
@@ -231,8 +234,30 @@ class SelectionPolicy:
         window starts; else, with question_positions NEAR, the pins are read as the blocks just
         before the window (`read_layout`)."""
         if self._turned(step):
-            return self._attend_turned(step, scale, local)
-        return self._attend(step, scale, local)
+            out, lse = self._attend_turned(step, scale, local)
+        else:
+            out, lse = self._attend(step, scale, local)
+        if self._head and step.n_init:
+            out, lse = self._read_head(step, scale, out, lse)
+        return out, lse
+
+    def _read_head(self, step: Step, scale: float, out: np.ndarray,
+                   lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """question_first_block: the init blocks' document tokens once more, as if they ended
+        just before the local window (keys turned forward), merged into the step's attention.
+        The sink and the chat template stay read only first."""
+        a, b = self.doc_start, self.n_init * self.bs
+        k, v = self.store.token_range(step.layer, a, b)  # [Hkv, n, d] f32
+        if self._head_turn is None or self._head_turn[0] != step.local0:
+            self._head_turn = (step.local0, *rotation(torch.from_numpy(self.inv_freq),
+                                                      step.local0 * self.bs - b))
+        rerotate(k, *self._head_turn[1:])
+        hkv, _, d = k.shape
+        q = torch.from_numpy(step.q).reshape(hkv, -1, d)  # [Hkv, g, d]: a KV head's query heads
+        sc = (q @ k.transpose(1, 2)) * float(scale)  # [Hkv, g, n]
+        o2 = torch.softmax(sc, -1) @ v  # [Hkv, g, d]
+        return kernels.merge_partials(out, lse, o2.reshape(-1, d).numpy(),
+                                      sc.logsumexp(-1).reshape(-1).numpy())
 
     def _turned(self, step: Step) -> bool:
         """Whether some of the step's blocks are read at other positions than their own: with
@@ -425,8 +450,11 @@ class SelectionPolicy:
         past a model's trained length the votes at true distances go to the document's first
         blocks, whatever the question."""
         local0 = max(0, n_tokens - self.s.local_windows_len) // self.bs
-        cand = np.arange(self.n_init, local0, dtype=np.int32)
-        if cand.size == 0:
+        head = (self.s.question_first_block and self.n_init > 0 and self.inv_freq is not None
+                and self.doc_start < self.n_init * self.bs)
+        cand = np.arange(0 if head else self.n_init, local0, dtype=np.int32)
+        self._head = False
+        if cand.size <= self.n_init * head:
             self._pins = {}
             return
         vote = np.zeros(local0, np.float32)
@@ -437,7 +465,7 @@ class SelectionPolicy:
             q = np.ascontiguousarray(qw.numpy()[:, -self.s.question_window:])  # [Hq, W, d]
             if self.s.question_votes == "NEAR" and self.inv_freq is not None:  # as read
                 vote += near_votes(self.store, layer, q, n_tokens, local0, self.inv_freq,
-                                   float(self.scale))
+                                   float(self.scale), self.doc_start if head else 0)
                 if self.store.mapped:
                     self.store.release_mapped()
                 continue
@@ -448,6 +476,7 @@ class SelectionPolicy:
                 v = kernels.query_votes(np.ascontiguousarray(q[:, w:w + 1]), k_base, k_tail,
                                         nb_base, n_tokens - W + w + 1, self.scale,
                                         self.store.kv_kind)  # [Hkv, n]
+                v[:, : self.doc_start if head else 0] = 0.0  # the template votes for nothing
                 per_block = v[:, : local0 * self.bs].reshape(-1, local0, self.bs).sum(2)
                 np.maximum(best, per_block.max(0), out=best)
             vote += best
@@ -455,6 +484,9 @@ class SelectionPolicy:
                 self.store.release_mapped()
         order = cand[np.argsort(-vote[cand], kind="stable")]
         self.vote_orders.append(order)
+        if head:  # the init blocks are read anyway; first in the vote, their text again
+            self._head = bool(order[0] < self.n_init)
+            order, cand = order[order >= self.n_init], cand[cand >= self.n_init]
         m = min(self.s.question_blocks, cand.size)
         if self.s.select_neighbours:
             pins = with_neighbours(-np.arange(cand.size, dtype=np.float32)[None], order, m)[0]
@@ -500,13 +532,13 @@ NEAR_CHUNK = 256  # blocks a NEAR vote scores at once
 
 
 def near_votes(store: KVStore, layer: int, q: np.ndarray, n_tokens: int, local0: int,
-               inv_freq: np.ndarray, scale: float) -> np.ndarray:
+               inv_freq: np.ndarray, scale: float, skip: int = 0) -> np.ndarray:
     """`[local0]` f32: for each block before the local window, the largest attention share
     (summed over a KV head's query heads; the max over KV heads and query rows) that the
     queries q `[Hq, W, d]` (the prompt's last W, at positions n_tokens - W ...) give its keys
     when every such block is read just before the window (its keys turned forward by
     (local0 - 1 - b) blocks, so one product scores a run of blocks) and the window's keys where
-    they are, causally."""
+    they are, causally. The first `skip` tokens draw their weight but vote for no block."""
     hkv, bs = store.shape.n_kv_heads, store.shape.block_size
     hq, w, d = q.shape
     g = hq // hkv
@@ -528,6 +560,9 @@ def near_votes(store: KVStore, layer: int, q: np.ndarray, n_tokens: int, local0:
                             np.ascontiguousarray(cos[:, :h].numpy()),
                             np.ascontiguousarray(sin[:, :h].numpy()))
         sc = (qg @ k.transpose(1, 2)) * scale  # [Hkv, gW, c * bs]
+        if b0 == 0 and skip:
+            lse_loc = torch.logaddexp(lse_loc, sc[..., :skip].logsumexp(-1))
+            sc[..., :skip] = float("-inf")
         lse[b0:b1] = torch.from_numpy(kernels.block_lse(sc.numpy(), bs))  # [c, Hkv, gW]
     total = torch.logaddexp(lse.logsumexp(0), lse_loc)  # [Hkv, gW]
     share = (lse - total).exp_().reshape(local0, hkv, g, w).sum(2)  # [local0, Hkv, W]

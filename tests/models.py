@@ -40,6 +40,7 @@ def settings(**kw: object) -> Settings:
         threads_num=2,
         preselect_block_count=16,
         question_blocks=0,  # tests that pin set it
+        question_first_block=False,  # tests of the first block's second read set it
         question_votes="AS_IS",  # tests of votes taken as the blocks are read set NEAR
         block_positions="AS_IS",  # tests of compacted reads set COMPACT
         score_positions="AS_IS",  # tests of position-free scoring set NEAR

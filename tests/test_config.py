@@ -23,7 +23,7 @@ INTERNALS_DEFAULTS = dict(
     block_size=128, init_len=128, local_windows_len=4096, second_select_num=96,
     anchor_type="MAX", anchor_num=1, head_select_mode="SHARED", dense_layer_num=0,
     question_blocks=8, question_window=16, question_layers=0, question_positions="NEAR",
-    question_votes="NEAR",
+    question_votes="NEAR", question_first_block=True,
     block_positions="COMPACT", score_positions="NEAR", select_neighbours=False, spread_blocks=0,
     token_step=1, layer_step=1, layer_budget="UNIFORM", squeeze_ratio=0.5,
     locret_budget=4096, locret_stabilisers=512, locret_scores="HEADS", locret_heads="",

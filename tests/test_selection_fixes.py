@@ -91,6 +91,22 @@ def test_near_votes_score_each_block_as_if_read_just_before_the_local_window():
     got = near_votes(s.store, 1, np.ascontiguousarray(qw[:, :, :].astype(np.float32)), n, local0,
                      pol.inv_freq, float(pol.scale))
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-6)
+    # skip: the first tokens keep their weight in every share's total but vote for no block
+    skip = 5
+    want_skip = np.zeros(local0)
+    for w in range(W):
+        pos = n - W + w
+        share = np.zeros((k_all.shape[0], local0))
+        for h in range(qw.shape[0]):
+            sc = float(pol.scale) * (keys[h // g, :pos + 1] @ qw[h, w])
+            p = np.exp(sc - np.logaddexp.reduce(sc))
+            p[:skip] = 0.0
+            share[h // g] += p[: local0 * BS].reshape(local0, BS).sum(1)
+        want_skip = np.maximum(want_skip, share.max(0))
+    got_skip = near_votes(s.store, 1, np.ascontiguousarray(qw.astype(np.float32)), n, local0,
+                          pol.inv_freq, float(pol.scale), skip)
+    np.testing.assert_allclose(got_skip, want_skip, rtol=2e-3, atol=1e-6)
+    assert got_skip[0] < got[0] and np.allclose(got_skip[1:], got[1:], rtol=1e-5, atol=1e-7)
     as_is = kernels.query_votes_ref(qw[:, -1:], *_layer_args(s, 1), n, pol.scale,
                                     s.store.kv_kind)[:, : local0 * BS]
     assert not np.allclose(as_is.reshape(-1, local0, BS).sum(2).max(0), got, rtol=0.05)
@@ -272,6 +288,60 @@ def test_compact_positions_read_the_blocks_before_the_window_as_one_run(pins_las
                      question_positions="AS_IS")
     o2, _ = as_is.policy.attend(as_is.policy.plan(1, q, n), float(pol.scale))
     assert not np.allclose(o2, out, atol=1e-4)  # the turns change what is read
+
+
+def test_first_block_first_in_the_vote_is_read_again_just_before_the_window():
+    """question_first_block: the first block is voted on (its chat-template tokens not) and
+    never pinned; when it comes first, every step also reads its document tokens as if they
+    ended just before the local window: exact attention over the step's blocks plus that copy."""
+    s = _session(anchor_type="MEAN", question_blocks=3, second_select_num=7,
+                 block_positions="COMPACT", question_positions="NEAR", question_votes="NEAR",
+                 question_first_block=True)
+    n, pol, q = len(s.tokens), s.policy, _q(s, 7)
+    order = pol.vote_orders[-1]
+    assert 0 in order.tolist() and 0 not in pol._pins[0].tolist() and pol._pins[0].size == 3
+    assert pol._head == (int(order[0]) == 0)
+    pol._head = True  # whichever block this random model's vote put first
+    step = pol.plan(1, q, n)
+    out, _ = pol.attend(step, float(pol.scale))
+    far = np.concatenate([np.arange(step.n_init), step.chosen[0], step.pins])
+    moved = {int(b): (step.local0 - far.size + i - int(b)) * BS for i, b in enumerate(far)}
+    blocks = [*far.tolist(), *range(step.local0, step.nb)]
+    a = pol.doc_start
+    k_all, v_all = (t.double().numpy() for t in s.store.token_range(1, 0, n))  # [Hkv, n, d]
+    g = q.shape[0] // k_all.shape[0]
+    ref = np.zeros(q.shape, np.float64)
+    for h in range(q.shape[0]):
+        ks, vs = [], []
+        for b in blocks:
+            tok = np.arange(b * BS, min(n, (b + 1) * BS))
+            kb = k_all[h // g, tok]
+            ks.append(_rope_turn(kb, pol.inv_freq, moved[b]) if b in moved else kb)
+            vs.append(v_all[h // g, tok])
+        ks.append(_rope_turn(k_all[h // g, a:BS], pol.inv_freq, step.local0 * BS - BS))
+        vs.append(v_all[h // g, a:BS])
+        kk, vv = np.concatenate(ks), np.concatenate(vs)
+        sc = float(pol.scale) * (kk @ q[h].astype(np.float64))
+        p = np.exp(sc - sc.max())
+        ref[h] = p @ vv / p.sum()
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4)
+    pol._head = False
+    plain, _ = pol.attend(pol.plan(1, q, n), float(pol.scale))
+    assert not np.allclose(plain, out, atol=1e-4)
+
+
+def test_doc_start_is_where_the_chat_template_ends():
+    from ktlong.conversation import Conversation
+
+    s = _session(n_tokens=200)
+    tok = s.lm.tokenizer
+    ids = Conversation(tok, "Alpha beta gamma delta.").document_ids()
+    head = Conversation(tok, "").document_ids()
+    s.truncate(0)
+    s.prefill(ids)
+    start = s.policy.doc_start
+    assert 1 <= start < len(ids) and ids[:start] == head[:start]
+    assert "Alpha" in tok.decode(ids[start:start + 4]) and "Alpha" not in tok.decode(ids[:start])
 
 
 def test_compact_positions_change_nothing_on_a_context_read_whole():
