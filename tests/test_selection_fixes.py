@@ -79,33 +79,28 @@ def test_near_votes_score_each_block_as_if_read_just_before_the_local_window():
             keys[j, b * BS:(b + 1) * BS] = _rope_turn(k_all[j, b * BS:(b + 1) * BS],
                                                       pol.inv_freq, (local0 - 1 - b) * BS)
     qw = s.router.captured[1].numpy()[:, -W:].astype(np.float64)  # [Hq, W, d]
-    want = np.zeros(local0)
-    for w in range(W):
-        pos = n - W + w
-        share = np.zeros((k_all.shape[0], local0))
-        for h in range(qw.shape[0]):
-            sc = float(pol.scale) * (keys[h // g, :pos + 1] @ qw[h, w])
-            p = np.exp(sc - np.logaddexp.reduce(sc))
-            share[h // g] += p[: local0 * BS].reshape(local0, BS).sum(1)
-        want = np.maximum(want, share.max(0))
+
+    def reference(skip: int) -> np.ndarray:
+        want = np.zeros(local0)
+        for w in range(W):
+            pos = n - W + w
+            share = np.zeros((k_all.shape[0], local0))
+            for h in range(qw.shape[0]):
+                sc = float(pol.scale) * (keys[h // g, :pos + 1] @ qw[h, w])
+                p = np.exp(sc - np.logaddexp.reduce(sc))
+                p[:skip] = 0.0
+                share[h // g] += p[: local0 * BS].reshape(local0, BS).sum(1)
+            want = np.maximum(want, share.max(0))
+        return want
+
     got = near_votes(s.store, 1, np.ascontiguousarray(qw[:, :, :].astype(np.float32)), n, local0,
                      pol.inv_freq, float(pol.scale))
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(got, reference(0), rtol=2e-3, atol=1e-6)
     # skip: the first tokens keep their weight in every share's total but vote for no block
     skip = 5
-    want_skip = np.zeros(local0)
-    for w in range(W):
-        pos = n - W + w
-        share = np.zeros((k_all.shape[0], local0))
-        for h in range(qw.shape[0]):
-            sc = float(pol.scale) * (keys[h // g, :pos + 1] @ qw[h, w])
-            p = np.exp(sc - np.logaddexp.reduce(sc))
-            p[:skip] = 0.0
-            share[h // g] += p[: local0 * BS].reshape(local0, BS).sum(1)
-        want_skip = np.maximum(want_skip, share.max(0))
     got_skip = near_votes(s.store, 1, np.ascontiguousarray(qw.astype(np.float32)), n, local0,
                           pol.inv_freq, float(pol.scale), skip)
-    np.testing.assert_allclose(got_skip, want_skip, rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(got_skip, reference(skip), rtol=2e-3, atol=1e-6)
     assert got_skip[0] < got[0] and np.allclose(got_skip[1:], got[1:], rtol=1e-5, atol=1e-7)
     as_is = kernels.query_votes_ref(qw[:, -1:], *_layer_args(s, 1), n, pol.scale,
                                     s.store.kv_kind)[:, : local0 * BS]
@@ -237,9 +232,10 @@ def _rope_turn(k, inv, delta):
     return np.stack([kernels.turned_ref(row, inv, delta) for row in k])
 
 
-def _moved_reference(s, q, blocks, moved):
+def _moved_reference(s, q, blocks, moved, extra=None):
     """float64 attention out `[Hq, d]` of q over layer 1's `blocks`, the keys of each block in
-    `moved` re-rotated that many positions later."""
+    `moved` re-rotated that many positions later; `extra` (a, b, delta): tokens [a, b) read
+    once more, re-rotated delta positions later."""
     n, pol = len(s.tokens), s.policy
     k_all, v_all = (t.double().numpy() for t in s.store.token_range(1, 0, n))  # [Hkv, n, d]
     g = q.shape[0] // k_all.shape[0]
@@ -253,6 +249,10 @@ def _moved_reference(s, q, blocks, moved):
                 kb = _rope_turn(kb, pol.inv_freq, moved[b])
             ks.append(kb)
             vs.append(v_all[h // g, tok])
+        if extra is not None:
+            a, b, delta = extra
+            ks.append(_rope_turn(k_all[h // g, a:b], pol.inv_freq, delta))
+            vs.append(v_all[h // g, a:b])
         kk, vv = np.concatenate(ks), np.concatenate(vs)
         sc = float(pol.scale) * (kk @ q[h].astype(np.float64))
         p = np.exp(sc - sc.max())
@@ -306,24 +306,8 @@ def test_first_block_first_in_the_vote_is_read_again_just_before_the_window():
     out, _ = pol.attend(step, float(pol.scale))
     far = np.concatenate([np.arange(step.n_init), step.chosen[0], step.pins])
     moved = {int(b): (step.local0 - far.size + i - int(b)) * BS for i, b in enumerate(far)}
-    blocks = [*far.tolist(), *range(step.local0, step.nb)]
-    a = pol.doc_start
-    k_all, v_all = (t.double().numpy() for t in s.store.token_range(1, 0, n))  # [Hkv, n, d]
-    g = q.shape[0] // k_all.shape[0]
-    ref = np.zeros(q.shape, np.float64)
-    for h in range(q.shape[0]):
-        ks, vs = [], []
-        for b in blocks:
-            tok = np.arange(b * BS, min(n, (b + 1) * BS))
-            kb = k_all[h // g, tok]
-            ks.append(_rope_turn(kb, pol.inv_freq, moved[b]) if b in moved else kb)
-            vs.append(v_all[h // g, tok])
-        ks.append(_rope_turn(k_all[h // g, a:BS], pol.inv_freq, step.local0 * BS - BS))
-        vs.append(v_all[h // g, a:BS])
-        kk, vv = np.concatenate(ks), np.concatenate(vs)
-        sc = float(pol.scale) * (kk @ q[h].astype(np.float64))
-        p = np.exp(sc - sc.max())
-        ref[h] = p @ vv / p.sum()
+    ref = _moved_reference(s, q, [*far.tolist(), *range(step.local0, step.nb)], moved,
+                           (pol.doc_start, BS, step.local0 * BS - BS))
     np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4)
     pol._head = False
     plain, _ = pol.attend(pol.plan(1, q, n), float(pol.scale))
