@@ -87,7 +87,7 @@ class SelectionPolicy:
         self._pins: dict[int, np.ndarray] = {}  # layer -> the question's blocks, ascending
         self.doc_start = 1  # tokens before the document: the chat template's (set by Session)
         self._head = False  # the init blocks topped the question's vote: their text read again
-        self._head_turn: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (local0, cos, sin)
+        self._head_kv: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # (local0, K, V)
         # the last question votes' rankings, best first: [n candidates] int32 block ids each
         self.vote_orders: deque[np.ndarray] = deque(maxlen=4)
         self.inv_freq: np.ndarray | None = None  # [rot/2] the model's RoPE frequencies
@@ -246,18 +246,22 @@ class SelectionPolicy:
         """question_first_block: the init blocks' document tokens once more, as if they ended
         just before the local window (keys turned forward), merged into the step's attention.
         The sink and the chat template stay read only first."""
-        a, b = self.doc_start, self.n_init * self.bs
-        k, v = self.store.token_range(step.layer, a, b)  # [Hkv, n, d] f32
-        if self._head_turn is None or self._head_turn[0] != step.local0:
-            self._head_turn = (step.local0, *rotation(torch.from_numpy(self.inv_freq),
-                                                      step.local0 * self.bs - b))
-        rerotate(k, *self._head_turn[1:])
+        got = self._head_kv.get(step.layer)
+        if got is None or got[0] != step.local0:  # turned again when the window moves on
+            a, b = self.doc_start, self.n_init * self.bs
+            k, v = self.store.token_range(step.layer, a, b)  # [Hkv, n, d] f32
+            rerotate(k, *rotation(torch.from_numpy(self.inv_freq), step.local0 * self.bs - b))
+            got = self._head_kv[step.layer] = (step.local0, k.numpy(), v.numpy())
+        _, k, v = got
         hkv, _, d = k.shape
-        q = torch.from_numpy(step.q).reshape(hkv, -1, d)  # [Hkv, g, d]: a KV head's query heads
-        sc = (q @ k.transpose(1, 2)) * float(scale)  # [Hkv, g, n]
-        o2 = torch.softmax(sc, -1) @ v  # [Hkv, g, d]
-        return kernels.merge_partials(out, lse, o2.reshape(-1, d).numpy(),
-                                      sc.logsumexp(-1).reshape(-1).numpy())
+        q = step.q.reshape(hkv, -1, d)  # [Hkv, g, d]: a KV head's query heads
+        sc = (q @ k.transpose(0, 2, 1)) * np.float32(scale)  # [Hkv, g, n]
+        top = sc.max(-1, keepdims=True)
+        e = np.exp(sc - top)
+        total = e.sum(-1)  # [Hkv, g]
+        o2 = (e @ v) / total[..., None]  # [Hkv, g, d]
+        return kernels.merge_partials(out, lse, o2.reshape(-1, d),
+                                      (top[..., 0] + np.log(total)).reshape(-1))
 
     def _turned(self, step: Step) -> bool:
         """Whether some of the step's blocks are read at other positions than their own: with
@@ -453,7 +457,7 @@ class SelectionPolicy:
         head = (self.s.question_first_block and self.n_init > 0 and self.inv_freq is not None
                 and self.doc_start < self.n_init * self.bs)
         cand = np.arange(0 if head else self.n_init, local0, dtype=np.int32)
-        self._head = False
+        self._head, self._head_kv = False, {}
         if cand.size <= self.n_init * head:
             self._pins = {}
             return
@@ -526,6 +530,8 @@ class SelectionPolicy:
         # blocks past the cut will hold other tokens (a new turn, or a context shift's)
         self._preselected = {layer: pre[pre < full] for layer, pre in self._preselected.items()}
         self._pins = {layer: pins[pins < full] for layer, pins in self._pins.items()}
+        self._head_kv = {}  # a shift turns the tokens after the first blocks
+        self._head = self._head and full >= self.n_init
 
 
 NEAR_CHUNK = 256  # blocks a NEAR vote scores at once

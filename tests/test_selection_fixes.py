@@ -309,6 +309,12 @@ def test_first_block_first_in_the_vote_is_read_again_just_before_the_window():
     ref = _moved_reference(s, q, [*far.tolist(), *range(step.local0, step.nb)], moved,
                            (pol.doc_start, BS, step.local0 * BS - BS))
     np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4)
+    # the turned copy is kept while the window stays, turned again when it moves on
+    m = n - 2 * BS
+    moved_on, _ = pol.attend(pol.plan(1, q, m), float(pol.scale))
+    pol._head_kv = {}
+    fresh, _ = pol.attend(pol.plan(1, q, m), float(pol.scale))
+    np.testing.assert_array_equal(moved_on, fresh)
     pol._head = False
     plain, _ = pol.attend(pol.plan(1, q, n), float(pol.scale))
     assert not np.allclose(plain, out, atol=1e-4)
