@@ -240,8 +240,9 @@ def _dot(w, qtype, r, x, x2, xs):
 
 @njit(fastmath=FASTMATH, cache=True)
 def _float_rows(w, qtype, r0, r1, x, x2, xs, out):
-    # rows [r0, r1) of the float path into out; one compiled body for the serial and the
-    # parallel caller (inlined into each, a cached parallel region rounded differently)
+    # rows [r0, r1) of the float path into out: one compiled body for the serial and the
+    # parallel caller (with the dot inlined into each, the copy Numba loaded from its cache for
+    # the parallel region rounded differently from the serial loop)
     for r in range(r0, r1):
         out[r] = _dot(w, qtype, r, x, x2, xs)
 
