@@ -137,6 +137,7 @@ class ChatLoop:
             else:  # no document and a template with no head: nothing to prefill yet
                 opened = Opened(Session(self.lm, self.settings), "none")
         self.session, self.source, self.doc_len = opened.session, opened.source, len(ids)
+        self.session.template_head = self.conv.head_ids()  # the system prompt is not document
         self.dropped = [0, 0]
         st = opened.session.stats
         self._carry = (st.prompt_tokens, st.prefill_s)
@@ -159,6 +160,7 @@ class ChatLoop:
         self.conv = Conversation(self.lm.tokenizer, text, state["system"])
         self.conv.turns = [Turn(**t) for t in state["turns"]]
         self.session, self.source, self.last = session, source, None
+        session.template_head = self.conv.head_ids()
         self.doc_len = len(self.conv.document_ids())
         self._carry = (0, 0.0)
         self.dropped = list(state.get("dropped", [0, 0]))

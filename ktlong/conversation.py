@@ -108,6 +108,10 @@ class Conversation:
         memo[text] = ids
         return ids
 
+    def head_ids(self) -> list[int]:
+        """The ids before the document: the template's head and the system prompt."""
+        return list(self._encode(self._render("").partition(DOC)[0], {}))
+
     def document_ids(self) -> list[int]:
         """The ids every turn starts with: template head, system prompt, document, separator."""
         memo: dict[str, list[int]] = {}

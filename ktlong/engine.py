@@ -211,7 +211,9 @@ class Session:
         self._cos: torch.Tensor | None = None  # [n_layers] during a prefill: cosine sums
         self.prefill_matmul = set_prefill_matmul(lm.model, settings.prefill_matmul)
         self.decoder = decoder.build(lm)  # one-token forwards without transformers' modules
-        self._template_head: list[int] | None = None  # an empty conversation's ids
+        # ids the conversation puts before the document (Conversation.head_ids: the template's
+        # head, the system prompt); None: an empty conversation's under the default prompt
+        self.template_head: list[int] | None = None
         warm_up(lm, settings)  # every kernel this session runs, compiled before it is timed
 
     def _set_threads(self) -> None:
@@ -294,14 +296,14 @@ class Session:
         return logits
 
     def _doc_start(self) -> int:
-        """Tokens the chat template puts before the document: those these tokens share with an
-        empty conversation's (at least 1, the first token)."""
-        if self._template_head is None:
+        """Tokens before the document: those these tokens share with `template_head` (at
+        least 1, the first token)."""
+        if self.template_head is None:
             from ktlong.conversation import Conversation
 
             tok = self.lm.tokenizer
-            self._template_head = [] if tok is None else Conversation(tok, "").document_ids()
-        head = np.asarray(self._template_head, np.int64)
+            self.template_head = [] if tok is None else Conversation(tok).head_ids()
+        head = np.asarray(self.template_head, np.int64)
         ids = np.asarray(self.tokens[: head.size], np.int64)
         apart = np.flatnonzero(ids != head[: ids.size])
         return max(1, int(apart[0]) if apart.size else ids.size)

@@ -76,6 +76,16 @@ def consistent(loop: ChatLoop) -> bool:
 
 # --- the loop ------------------------------------------------------------------------------------
 
+def test_the_session_knows_where_the_document_starts(lm) -> None:
+    """The system prompt is the conversation's, not the document's (question_first_block
+    copies only the document's first tokens)."""
+    loop = make_loop(lm, system="Zulu yankee xray.")
+    head = loop.conv.head_ids()
+    assert loop.session.template_head == head
+    assert "Zulu" in lm.tokenizer.decode(head)
+    assert loop.conv.document_ids()[: len(head) - 1] == head[:-1]
+
+
 def test_multi_turn_equals_fresh_prefill_and_appends_only_the_turn(lm) -> None:
     loop = make_loop(lm)
     doc_ids = loop.conv.document_ids()

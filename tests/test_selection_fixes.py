@@ -334,6 +334,25 @@ def test_doc_start_is_where_the_chat_template_ends():
     assert "Alpha" in tok.decode(ids[start:start + 4]) and "Alpha" not in tok.decode(ids[:start])
 
 
+def test_doc_start_leaves_out_a_system_prompt_the_conversation_names():
+    """Under an empty conversation's head the system prompt would count as document; the
+    conversation's own head (what chat sets) puts the start at the document's first word."""
+    from ktlong.conversation import Conversation
+
+    s = _session(n_tokens=200)
+    tok = s.lm.tokenizer
+    conv = Conversation(tok, "Alpha beta gamma delta.", "Zulu yankee xray.")
+    ids = conv.document_ids()
+    s.truncate(0)
+    s.prefill(ids)
+    assert "Zulu" in tok.decode(ids[s.policy.doc_start:])  # the default head: no system text
+    s.template_head = conv.head_ids()
+    s.truncate(0)
+    s.prefill(ids)
+    start = s.policy.doc_start
+    assert "Alpha" in tok.decode(ids[start:start + 4]) and "Zulu" in tok.decode(ids[:start])
+
+
 def test_compact_positions_change_nothing_on_a_context_read_whole():
     """A context within the budget is read whole, every key where it is: COMPACT answers with
     the tokens AS_IS does."""
