@@ -22,44 +22,43 @@ def _flag(command: str, name: str, default: str) -> str:
     return m.group(1) if m else default
 
 
-def _run_cells(run: dict, profile: str) -> list[tuple[str, int, int, int, set]]:
-    """(task, length, right, asked, documents) of `profile` in one saved run. Documents are
-    (seed, index) pairs: a run that stopped early holds its first ones, one of `--only` those."""
+def _run_answers(run: dict, profile: str) -> list[tuple[str, int, tuple, bool]]:
+    """(task, length, document, right) of each answer of `profile` in one saved run. A document
+    is (seed, samples, index): a run that stopped early holds its first ones, one of `--only`
+    those, in the order its records (document by document) list them."""
     if "summary" in run:  # a `bench accuracy` result
         cmd = run["command"]
         seed, samples = int(_flag(cmd, "seed", "0")), int(_flag(cmd, "samples", "0"))
-        only = [int(i) for i in _flag(cmd, "only", "").split(",") if i] or range(samples)
-        return [(c["task"], c["length"], c["right"], c["n"],
-                 {(seed, i) for i in list(only)[:c["n"]]})
-                for c in run["summary"] if Path(c["profile"]).name == profile]
+        only = [int(i) for i in _flag(cmd, "only", "").split(",") if i] or list(range(samples))
+        seen: dict[tuple[str, int], int] = {}
+        out = []
+        for r in run["records"]:
+            if Path(r["profile"]).name == profile:
+                k = seen[r["task"], r["length"]] = seen.get((r["task"], r["length"]), -1) + 1
+                out.append((r["task"], r["length"], (seed, samples, only[k]), r["correct"]))
+        return out
     # a re-read of chosen documents, one record per (document, settings, task)
     what = run["what"]
-    seed, length = int(_flag(what, "seed", "0")), int(re.search(r"(\d+)K tokens", what)[1]) * 1024
-    out: dict[str, list] = {}
-    for r in run["records"]:
-        if r["settings"] == profile:
-            cell = out.setdefault(r["task"], [0, 0, set()])
-            cell[0], cell[1] = cell[0] + r["correct"], cell[1] + 1
-            cell[2].add((seed, r["document"]))
-    return [(t, length, r, n, docs) for t, (r, n, docs) in out.items()]
+    seed, samples = (int(re.search(rf"--{k} (\d+)", what)[1]) for k in ("seed", "samples"))
+    length = int(re.search(r"(\d+)K tokens", what)[1]) * 1024
+    return [(r["task"], length, (seed, samples, r["document"]), r["correct"])
+            for r in run["records"] if r["settings"] == profile]
 
 
 def test_quoted_figures_are_the_recorded_runs() -> None:
+    """Each cell sums its documents' answers; a later run of a document replaces its answers."""
     assert MEASURED
     for m in MEASURED.values():
-        recorded: dict[tuple[str, int], tuple[int, int, set]] = {}
+        recorded: dict[tuple[str, int], dict[tuple, bool]] = {}
         for name, profile in m.results:
             run = json.loads((RESULTS / name).read_text())
             assert run.get("haystack", m.haystack) == m.haystack
-            cells = _run_cells(run, profile)
-            assert cells, f"{name} has no answers of {profile}"
-            for task, length, r, n, docs in cells:
-                old = recorded.get((task, length))
-                if old is not None and not docs & old[2]:  # more documents of the same cell
-                    r, n, docs = r + old[0], n + old[1], old[2] | docs
-                recorded[task, length] = (r, n, docs)  # else a later run replaces an earlier's
+            answers = _run_answers(run, profile)
+            assert answers, f"{name} has no answers of {profile}"
+            for task, length, doc, right in answers:
+                recorded.setdefault((task, length), {})[doc] = right
         assert {(t, n): (r, a) for t, n, r, a in m.cells} == {
-            k: (r, n) for k, (r, n, _) in recorded.items()}
+            k: (sum(docs.values()), len(docs)) for k, docs in recorded.items()}
 
 
 def test_a_known_model_is_found_by_its_fingerprint_and_memcheck_quotes_it() -> None:
