@@ -214,6 +214,7 @@ class Session:
         # ids the conversation puts before the document (Conversation.head_ids: the template's
         # head, the system prompt); None: an empty conversation's under the default prompt
         self.template_head: list[int] | None = None
+        self._default_head: list[int] | None = None
         warm_up(lm, settings)  # every kernel this session runs, compiled before it is timed
 
     def _set_threads(self) -> None:
@@ -298,12 +299,13 @@ class Session:
     def _doc_start(self) -> int:
         """Tokens before the document: those these tokens share with `template_head` (at
         least 1, the first token)."""
-        if self.template_head is None:
+        if self.template_head is None and self._default_head is None:
             from ktlong.conversation import Conversation
 
             tok = self.lm.tokenizer
-            self.template_head = [] if tok is None else Conversation(tok).head_ids()
-        head = np.asarray(self.template_head, np.int64)
+            self._default_head = [] if tok is None else Conversation(tok).head_ids()
+        head = np.asarray(self.template_head if self.template_head is not None
+                          else self._default_head, np.int64)
         ids = np.asarray(self.tokens[: head.size], np.int64)
         apart = np.flatnonzero(ids != head[: ids.size])
         return max(1, int(apart[0]) if apart.size else ids.size)

@@ -54,6 +54,8 @@ class Cancelled(Exception):
 class Prompt:
     ids: list[int]
     prefix: int = 0  # leading ids worth keeping in the prompt cache on disk (0: none)
+    head: list[int] | None = None  # ids before the served document (template, system
+    # messages); None: not known (Session finds the template's own)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class Renderer:
                 raise
             msgs = _system_into_user(msgs)  # "System role not supported"
             text = self.render(self._with_document(msgs))
-        head, rest = "", text
+        head, rest, before = "", text, None
         if self.document:
             before, found, rest = text.partition(DOC)
             if not found:
@@ -127,7 +129,8 @@ class Renderer:
                 if lead and text.startswith(lead):
                     head, rest = lead, text[len(lead):]
         ids = self._prefix_ids(head) if head else []
-        return Prompt(ids + self.encode(rest), len(ids))
+        return Prompt(ids + self.encode(rest), len(ids),
+                      None if before is None else self.encode(before))
 
     def fit(self, messages: list[dict[str, str]], limit: int,
             rows: Callable[[Prompt], int] = lambda p: len(p.ids)) -> Fitted:
@@ -387,6 +390,7 @@ class Engine:
             if fitted.dropped <= job.dropped[0]:
                 return
             ids = fitted.prompt.ids + answer
+            s.template_head = fitted.prompt.head
             if s.common_prefix(ids) < s.store.nb_base * s.store.shape.block_size:
                 return  # the mapped base (a cached document) cannot be rewritten
             job.moved += self._shift(s, ids, fitted.prompt.prefix)[0]
@@ -454,7 +458,7 @@ class Engine:
                 keep = min(keep, len(ids) - 1)  # the last id is fed again for its logits
             base = s.store.nb_base * s.store.shape.block_size  # read-only: cannot be cut
             if keep >= base and (not disk or keep >= p or keep >= self._on_disk(ids[:p])):
-                prefilled = shifted
+                s.template_head, prefilled = job.prompt.head, shifted
                 if disk and keep < p:  # the prefix goes to disk for the next start too
                     prefilled += _extend(s, ids[:p], progress)
                     self._store(s)
@@ -474,6 +478,7 @@ class Engine:
         else:
             s, prefilled = Session(self.lm, self.settings), 0
         self.session = s
+        s.template_head = job.prompt.head
         if len(ids) > len(s.tokens) or s.logits is None:
             prefilled += _extend(s, ids, progress)
         return s, prefilled

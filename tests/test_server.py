@@ -215,6 +215,28 @@ def test_prompt_file_prefix_matches_chat(lm) -> None:
     assert p.ids == Conversation(lm.tokenizer, DOC).prompt_ids("Which city?")
 
 
+def test_the_served_document_starts_after_the_system_messages(lm) -> None:
+    """A client's system message comes before the -f document: the session is told where the
+    document starts (question_first_block reads the document's first tokens again, not the
+    system message's), as `ktlong chat --system` tells it."""
+    from ktlong.conversation import Conversation
+
+    doc, system = "Alpha beta gamma delta. " + filler_text(40, seed=5), "Zulu yankee xray."
+    p = Renderer(lm.tokenizer, doc).chat([{"role": "system", "content": system},
+                                          {"role": "user", "content": "Which city?"}])
+    assert p.head == Conversation(lm.tokenizer, doc, system).head_ids()
+    e = server_mod.Engine(lm, settings(**ST), use_cache=False)
+    try:
+        e.run(p)
+        s = e.session
+        assert s is not None and s.template_head == p.head
+        start = s._doc_start()
+        assert "Alpha" in lm.tokenizer.decode(p.ids[start:start + 4])
+        assert "Zulu" in lm.tokenizer.decode(p.ids[:start])
+    finally:
+        e.close()
+
+
 # --- the engine: one at a time, disconnects -------------------------------------------------------
 
 def test_health_shows_busy_and_queued(lm, srv, monkeypatch) -> None:
