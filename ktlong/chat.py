@@ -55,6 +55,7 @@ class Answer:
     text: str = ""
     stop: str = "interrupted"  # eos | max_new_tokens | interrupted | context_full
     stats: Any = None  # engine.Stats of the last step
+    lead: str = ""  # the words the answer was started with (/lead): `text` and `ids` begin so
 
     @property
     def prefill_tok_s(self) -> float:
@@ -104,10 +105,11 @@ class ChatLoop:
 
     def __init__(self, lm: Any, settings: Settings, document: Document | None, ui: Any,
                  system: str | None = None, encoding: str | None = None, use_cache: bool = True,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, lead: str = "") -> None:
         from ktlong.engine import Sampling
 
         self.lm, self.settings, self.document, self.ui = lm, settings, document, ui
+        self.lead = lead  # the words every answer starts with (/lead); the model writes the rest
         self.encoding, self.use_cache, self.cache_dir = encoding, use_cache, cache_dir
         self.conv = Conversation(lm.tokenizer, document.text if document else "", system)
         self.sampling = Sampling.from_settings(settings)
@@ -177,10 +179,11 @@ class ChatLoop:
             self.open()
         s = self.session
         text = self.conv.question_text(question)
-        ids = self.conv.prompt_ids(text)
+        lead = self.lead_ids()
+        ids = self.conv.prompt_ids(text) + lead
         try:
             if self.shifts and self.conv.turns and len(ids) + 1 > s.store.capacity:
-                ids, told = self.shift(text, [], self.sampling.max_new_tokens)
+                ids, told = self.shift(text, lead, self.sampling.max_new_tokens)
                 if told:
                     self.ui.note(told)
             with self.ui.progress("reading", PROGRESS_MIN_TOKENS) as progress:
@@ -190,14 +193,15 @@ class ChatLoop:
             raise
         done, secs = self._carry
         self._carry = (0, 0.0)
-        turn = Turn(text)
+        turn = Turn(text, list(lead), self.lead if lead else "")
         self.conv.turns.append(turn)
         self.conv.attachments.clear()
         ans = self.last = Answer(question, ids, done + s.stats.prompt_tokens,
                                  secs + s.stats.prefill_s, self.source, ids=turn.answer_ids,
-                                 stats=dataclasses.replace(s.stats))
+                                 stats=dataclasses.replace(s.stats), lead=turn.answer)
         try:
-            for step in s.generate(self.sampling, self._make_room if self.shifts else None):
+            for step in s.generate(self.sampling, self._make_room if self.shifts else None,
+                                   lead):
                 ans.stats = step.stats
                 if step.token_id in self.lm.eos_ids:
                     ans.stop = "eos"
@@ -265,11 +269,21 @@ class ChatLoop:
 
         warm_up(self.lm, self.settings, note=self.ui.note)
 
+    def lead_ids(self) -> list[int]:
+        """The lead's ids, as they follow the answer cue (none without a lead)."""
+        if not self.lead:
+            return []
+        return list(self.lm.tokenizer(self.lead, add_special_tokens=False)["input_ids"])
+
     def answer(self, question: str) -> Answer | None:
         """Ask and render; Ctrl-C stops the answer (None if it stopped before the first token)."""
         steps = self.ask(question)
+        first = True
         try:
             for step in steps:
+                if first and self.last is not None and self.last.lead:
+                    self.ui.lead(self.last.lead)
+                first = False
                 self.ui.token(step)
         except (KeyboardInterrupt, SystemError) as e:
             if not is_interrupt(e):
@@ -379,6 +393,15 @@ class ChatLoop:
         self.session = None  # the system prompt precedes the document in every template
         self.open()
 
+    @command("/lead", "[TEXT|-]", "show, set or (with -) clear the words every answer starts "
+             "with; the model writes the rest (small models answer a question about a fact "
+             "when its answer is begun: 'The pass key is')")
+    def _lead(self, arg: str) -> None:
+        if arg:
+            self.lead = "" if arg == "-" else arg
+        self.ui.note(f"answers start with: {self.lead!r}" if self.lead
+                     else "answers start with: (nothing: the model's own words)")
+
     @command("/save", "NAME", "keep this conversation (its KV cache and text) under NAME")
     def _save(self, arg: str) -> None:
         from ktlong.promptcache import save_conversation
@@ -408,7 +431,7 @@ class ChatLoop:
 def run(model: Path | None, prompt_file: str | list[str] | None, settings: Settings, *,
         system: str | None = None, questions: Sequence[str] = (), as_json: bool = False,
         show_prompt_ids: bool = False, encoding: str | None = None, use_cache: bool = True,
-        cache_dir: Path | None = None) -> int:
+        cache_dir: Path | None = None, lead: str = "") -> int:
     """`ktlong chat`: check the inputs, load, read the document, then answer; returns the exit code.
 
     With `questions`, answers them in order and returns; otherwise chats on the terminal (or
@@ -430,7 +453,7 @@ def run(model: Path | None, prompt_file: str | list[str] | None, settings: Setti
     try:
         with ui.loading(model):
             lm = load_model(model, settings.device, weight_type=settings.weight_type)
-        loop = ChatLoop(lm, settings, doc, ui, system, encoding, use_cache, cache_dir)
+        loop = ChatLoop(lm, settings, doc, ui, system, encoding, use_cache, cache_dir, lead)
         loop.open()
         if not questions:
             ui.banner(loop)

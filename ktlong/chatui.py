@@ -121,10 +121,17 @@ class TerminalUI:
         self.err.print(f"[dim]{KEYS} · /help for commands[/]")
 
     # --- answers -----------------------------------------------------------------------------
+    def lead(self, text: str) -> None:
+        """The words the answer was started with, before its first token."""
+        self._write(text)
+
     def token(self, step: Any) -> None:
-        if self.json or not step.text:
+        self._write(step.text)
+
+    def _write(self, text: str) -> None:
+        if self.json or not text:
             return
-        text = printable(step.text)
+        text = printable(text)
         self.out.file.write(text)
         self.out.file.flush()
         self._col = 0 if text.endswith("\n") else self._col + len(text)

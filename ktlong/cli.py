@@ -235,6 +235,11 @@ def chat(model: ModelOpt = None,
              "--question", "-q", metavar="TEXT", show_default=False,
              help="Answer this and exit (repeatable: answered in order, in one conversation).")]
          = None,
+         lead: Annotated[str, typer.Option(
+             metavar="TEXT", show_default=False,
+             help="Start every answer with TEXT; the model writes the rest (small models answer "
+                  "a question about a fact when its answer is begun: 'The pass key is'). /lead "
+                  "changes it in the chat.")] = "",
          as_json: Annotated[bool, typer.Option(
              "--json", help="One JSON object per answer, one per line (for scripts).")] = False,
          show_prompt_ids: Annotated[bool, typer.Option(
@@ -275,7 +280,7 @@ def chat(model: ModelOpt = None,
         st = fitted(res, model).settings
     code = chat_mod.run(model, files, st, system=system, questions=questions or [],
                         as_json=as_json, show_prompt_ids=show_prompt_ids, encoding=encoding,
-                        use_cache=not no_cache, cache_dir=cdir)
+                        use_cache=not no_cache, cache_dir=cdir, lead=lead)
     if code:
         raise typer.Exit(code)
 

@@ -7,7 +7,7 @@ The engine prints nothing: `prefill` reports progress through a callback and `ge
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -463,9 +463,11 @@ class Session:
         shift.apply(self, plan)
         return plan
 
-    def generate(self, sampling: Sampling,
-                 make_room: Callable[[int], None] | None = None) -> Iterator[Step]:
+    def generate(self, sampling: Sampling, make_room: Callable[[int], None] | None = None,
+                 after: Sequence[int] = ()) -> Iterator[Step]:
         """Yield sampled tokens until EOS or `max_new_tokens`; each Step carries running stats.
+        `after`: ids the answer's text continues (a lead the prompt ends with), decoded with the
+        new ones so that the first new word keeps its leading space.
 
         A token is fed through the model only when the next one is needed, so the store holds
         every token yielded except the last (EOS, or the one that hit the limit): the caller
@@ -481,7 +483,8 @@ class Session:
             gen.manual_seed(sampling.seed if sampling.seed >= 0 else int(time.time_ns() % 2**31))
         tok = self.lm.tokenizer
         self._set_threads()
-        stats, out_ids, text = self.stats, [], ""
+        out_ids = list(after)
+        stats, text = self.stats, tok.decode(out_ids, skip_special_tokens=True) if after else ""
         stats.new_tokens, stats.decode_tok_s = 0, 0.0
         self.policy.reset_counters()
         t0, c0 = time.perf_counter(), compile_seconds()

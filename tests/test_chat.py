@@ -86,6 +86,27 @@ def test_the_session_knows_where_the_document_starts(lm) -> None:
     assert loop.conv.document_ids()[: len(head) - 1] == head[:-1]
 
 
+def test_a_lead_starts_every_answer_and_stays_in_the_conversation(lm) -> None:
+    """--lead / /lead: the answer cue is followed by the lead's ids; the model writes on from
+    there (its answer as a fresh session gives it), the lead is shown and kept in the turn."""
+    ui = UI()
+    loop = make_loop(lm, ui, lead="The city is")
+    lead = lm.tokenizer("The city is", add_special_tokens=False)["input_ids"]
+    a = loop.answer(QUESTIONS[1])
+    assert a.prompt_ids == Conversation(lm.tokenizer, DOC).prompt_ids(QUESTIONS[1]) + lead
+    assert a.ids == lead + fresh_answer(lm, loop, a.prompt_ids)
+    assert a.text == lm.tokenizer.decode(a.ids, skip_special_tokens=True)
+    assert a.text.startswith("The city is") and len(a.ids) > len(lead)
+    assert ui.text()[0].startswith(printable(a.text))
+    b = loop.answer(QUESTIONS[2])  # the first answer, lead and all, is in the second prompt
+    assert b.prompt_ids[: len(a.prompt_ids) + len(a.ids) - len(lead)] == a.prompt_ids + a.ids[
+        len(lead):] and consistent(loop)
+    assert loop.handle("/lead -") and loop.lead == ""
+    c = loop.answer(QUESTIONS[0])
+    assert c.ids == fresh_answer(lm, loop, c.prompt_ids)
+    assert loop.handle("/lead The key is") and loop.lead == "The key is"
+
+
 def test_multi_turn_equals_fresh_prefill_and_appends_only_the_turn(lm) -> None:
     loop = make_loop(lm)
     doc_ids = loop.conv.document_ids()
