@@ -56,6 +56,7 @@ class Prompt:
     prefix: int = 0  # leading ids worth keeping in the prompt cache on disk (0: none)
     head: list[int] | None = None  # ids before the served document (template, system
     # messages); None: not known (Session finds the template's own)
+    after: int = 0  # the last ids begin the answer: a final assistant message, continued
 
 
 @dataclass(frozen=True)
@@ -86,15 +87,21 @@ class Renderer:
             self._memo = (text, special, self.encode(text, special))
         return list(self._memo[2])
 
-    def render(self, messages: list[dict[str, str]], generation: bool = True) -> str:
+    def render(self, messages: list[dict[str, str]], generation: bool = True,
+               go_on: bool = False) -> str:
+        """The prompt text; `go_on`: the last message (the assistant's) is left open, for the
+        answer to continue it."""
         if self.plain:
             names = {"system": "System", "user": "User", "assistant": "Assistant"}
             text = (self.tokenizer.bos_token or "") + "".join(
                 f"{names[m['role']]}: {m['content']}{SEP}" for m in messages)
+            if go_on:
+                return text[: -len(SEP)]
             return text + ("Assistant:" if generation else "")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=generation)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation and not go_on,
+                continue_final_message=go_on)
         except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise KtlongError(f"the model's chat template refused these messages: {first}") \
@@ -106,13 +113,16 @@ class Renderer:
             return self._chat([dict(m) for m in messages])
 
     def _chat(self, msgs: list[dict[str, str]]) -> Prompt:
+        if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1]["content"].strip():
+            msgs = msgs[:-1]  # an empty answer begun: answered as if it were not there
+        go_on = bool(msgs) and msgs[-1]["role"] == "assistant"  # the answer begun, continued
         try:
-            text = self.render(self._with_document(msgs))
+            text = self.render(self._with_document(msgs), go_on=go_on)
         except KtlongError:
             if not any(m["role"] == "system" for m in msgs):
                 raise
             msgs = _system_into_user(msgs)  # "System role not supported"
-            text = self.render(self._with_document(msgs))
+            text = self.render(self._with_document(msgs), go_on=go_on)
         head, rest, before = "", text, None
         if self.document:
             before, found, rest = text.partition(DOC)
@@ -129,8 +139,10 @@ class Renderer:
                 if lead and text.startswith(lead):
                     head, rest = lead, text[len(lead):]
         ids = self._prefix_ids(head) if head else []
-        return Prompt(ids + self.encode(rest), len(ids),
-                      None if before is None else self.encode(before))
+        prefix = len(ids)
+        ids += self.encode(rest)
+        after = min(len(self.encode(msgs[-1]["content"].strip())), len(ids)) if go_on else 0
+        return Prompt(ids, prefix, None if before is None else self.encode(before), after)
 
     def fit(self, messages: list[dict[str, str]], limit: int,
             rows: Callable[[Prompt], int] = lambda p: len(p.ids)) -> Fitted:
@@ -352,7 +364,9 @@ class Engine:
         """Decode until EOS, a stop string, max_tokens, a full store or a cancel."""
         text, finish, n = StopText(job.stop), "length", 0
         make_room = self._make_room(s, job) if job.fit is not None else None
-        steps = s.generate(job.sampling, make_room)  # type: ignore[arg-type]
+        ids = job.prompt.ids
+        steps = s.generate(job.sampling, make_room,  # type: ignore[arg-type]
+                           ids[len(ids) - job.prompt.after:])
         try:
             for step in steps:
                 if step.token_id in self.lm.eos_ids:

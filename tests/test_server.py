@@ -135,6 +135,26 @@ def test_chat_answer_equals_session_generate_and_prefix_is_prefilled_once(lm, sr
     assert out2.choices[0].message.content == greedy(lm, chat_ids(lm, other))[0]
 
 
+def test_a_final_assistant_message_is_continued(lm, srv) -> None:
+    """An answer begun by the client (the last message the assistant's, as llama.cpp's server
+    and Ollama take it): the model writes on from its last word, and the reply holds only what
+    it wrote. An empty one is answered as if it were not there."""
+    msgs = [{"role": "user", "content": "Which city is north?"},
+            {"role": "assistant", "content": "The city is"}]
+    text = lm.tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    assert text.endswith("The city is")
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    p = Renderer(lm.tokenizer).chat(msgs)
+    assert p.ids == ids and p.after == len(lm.tokenizer("The city is",
+                                                        add_special_tokens=False)["input_ids"])
+    out = client(srv).chat.completions.create(model=srv.server.model_id, messages=msgs)  # type: ignore[arg-type]
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].message.content == greedy(lm, ids)[0]
+    empty = [msgs[0], {"role": "assistant", "content": ""}]
+    out = client(srv).chat.completions.create(model=srv.server.model_id, messages=empty)  # type: ignore[arg-type]
+    assert out.choices[0].message.content == greedy(lm, chat_ids(lm, msgs[:1]))[0]
+
+
 def test_stream_chunks_as_openai_sends_them(lm, srv) -> None:
     msgs = [{"role": "user", "content": "Tell me about the river."}]
     want, finish = greedy(lm, chat_ids(lm, msgs))
