@@ -278,12 +278,10 @@ class ChatLoop:
     def answer(self, question: str) -> Answer | None:
         """Ask and render; Ctrl-C stops the answer (None if it stopped before the first token)."""
         steps = self.ask(question)
-        first = True
         try:
-            for step in steps:
-                if first and self.last is not None and self.last.lead:
+            for i, step in enumerate(steps):
+                if i == 0 and self.last is not None and self.last.lead:
                     self.ui.lead(self.last.lead)
-                first = False
                 self.ui.token(step)
         except (KeyboardInterrupt, SystemError) as e:
             if not is_interrupt(e):
@@ -394,8 +392,8 @@ class ChatLoop:
         self.open()
 
     @command("/lead", "[TEXT|-]", "show, set or (with -) clear the words every answer starts "
-             "with; the model writes the rest (small models answer a question about a fact "
-             "when its answer is begun: 'The pass key is')")
+             "with; the model writes on from them (e.g. 'The pass key is': a small model is "
+             "left only the number to write)")
     def _lead(self, arg: str) -> None:
         if arg:
             self.lead = "" if arg == "-" else arg

@@ -237,9 +237,9 @@ def chat(model: ModelOpt = None,
          = None,
          lead: Annotated[str, typer.Option(
              metavar="TEXT", show_default=False,
-             help="Start every answer with TEXT; the model writes the rest (small models answer "
-                  "a question about a fact when its answer is begun: 'The pass key is'). /lead "
-                  "changes it in the chat.")] = "",
+             help="Start every answer with TEXT; the model writes on from it (e.g. 'The pass "
+                  "key is': a small model is left only the number to write). /lead changes it "
+                  "in the chat.")] = "",
          as_json: Annotated[bool, typer.Option(
              "--json", help="One JSON object per answer, one per line (for scripts).")] = False,
          show_prompt_ids: Annotated[bool, typer.Option(
