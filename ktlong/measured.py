@@ -62,11 +62,12 @@ MEASURED: dict[str, Measured] = {
              ("128k", "-seed1"), ("128k", "-seed2"))),
          ("accuracy-smollm2-licenses-128k-misses-reads.json", "local_windows_len: 512"),
          *((f"accuracy-smollm2-licenses-{n}-firstblock{tail}.json", "default") for n, tail in (
-             ("16k", ""), ("64k", "-seed1"), ("64k", "-seed2")))),
+             ("16k", ""), ("64k", "-seed1"), ("64k", "-seed2"), ("128k", ""), ("128k", "-seed1"),
+             ("128k", "-seed2")))),
         "licenses", "default",
         _cells((4096, 7168, 16384, 32768, 65536, 131072),
                passkey="9/10 10/10 10/10 10/10 10/10 5/5",
-               needle="8/10 9/10 9/10 9/10 9/10 1/5")),
+               needle="8/10 9/10 9/10 9/10 9/10 4/5")),
     "f08236ad06c52a7a": Measured(  # -m gemma3-270m
         "Gemma 3 270M (Q4_K_M), trained at 32K",
         # 16K is read whole; 32K was measured with the question's blocks voted at their own
