@@ -68,14 +68,12 @@ MEASURED: dict[str, Measured] = {
         _cells((4096, 7168, 16384, 32768, 65536, 131072),
                passkey="9/10 10/10 10/10 10/10 10/10 5/5",
                needle="8/10 9/10 9/10 9/10 9/10 4/5")),
-    "f08236ad06c52a7a": Measured(  # -m gemma3-270m
+    "f08236ad06c52a7a": Measured(  # -m gemma3-270m; 16K is read whole
         "Gemma 3 270M (Q4_K_M), trained at 32K",
-        # 16K is read whole; 32K was measured with the question's blocks voted at their own
-        # distance and the question read once, 64K (the last file) as the default reads today
-        tuple((f"accuracy-gemma3-{n}.json", "default")
-              for n in ("16k", "32k", "64k", "64k-default")),
-        "real", "default", _cells((16384, 32768, 65536), passkey="3/6 0/4 1/4",
-                                  needle="6/6 4/4 4/4")),
+        tuple((f"accuracy-gemma3-licenses-{n}.json", "default")
+              for n in ("16k", "16k-docs4-9", "64k", "128k")),
+        "licenses", "default", _cells((16384, 65536, 131072), passkey="10/10 10/10 4/5",
+                                      needle="9/10 10/10 5/5")),
 }
 
 
