@@ -494,7 +494,7 @@ def run(model: Path | None, prompt_file: str | list[str] | None, settings: Setti
     server = build(lm, settings, doc.text if doc else "", name, api_key, use_cache, cache_dir)
     if doc is not None:  # the document every chat opens with: read (or mapped) now
         prompt = server.renderer.chat([{"role": "user", "content": ""}])
-        head = Prompt(prompt.ids[: prompt.prefix], prompt.prefix)
+        head = Prompt(prompt.ids[: prompt.prefix], prompt.prefix, prompt.head)
         with ui.progress("reading the document") as progress:
             server.engine.run(head, progress)
         st = server.engine.last
