@@ -201,8 +201,10 @@ class Settings:
     locret_scores: str = _f("enum", "HEADS", "locret", "What ranks the tokens: HEADS, the "
                             "model's retaining heads (ktlong train-heads); ATTENTION, the largest "
                             "attention the chunk's last queries give each token (H2O/SnapKV-"
-                            "style); RECENT, the first init_len and the newest (StreamingLLM)",
-                            choices=("HEADS", "ATTENTION", "RECENT"))
+                            "style); RECENT, the first init_len and the newest (StreamingLLM); "
+                            "SURPRISE, the model's own surprise at each line of the document (no "
+                            "training)",
+                            choices=("HEADS", "ATTENTION", "RECENT", "SURPRISE"))
     locret_heads: str = _f("str", "", "locret", "Retaining-heads file; empty = the model's, "
                            "trained by `ktlong train-heads` or shipped")
     # preselection (SnapKV-style, once per question)

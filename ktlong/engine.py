@@ -134,10 +134,12 @@ def _evictor(lm: LoadedModel, settings: Settings, n_layers: int,
     if lm.spec.sliding_layers:
         raise KtlongError("attention LOCRET does not read sliding-window models (Gemma 3) yet",
                           hint="use the default profile for this model")
-    heads = None
+    heads, breaks = None, None
     if settings.locret_scores == "HEADS":
         heads = locret.load_heads(locret.find_heads(lm.spec, settings), lm.spec)[0]
-    return locret.Evictor(settings, inv_freq, heads, n_layers)
+    if settings.locret_scores == "SURPRISE":
+        breaks = locret.line_breaks(lm.tokenizer, lm.spec.vocab_size)
+    return locret.Evictor(settings, inv_freq, heads, n_layers, breaks)
 
 
 def tier_dir(spec: Any, settings: Settings) -> Path | None:
@@ -262,7 +264,6 @@ class Session:
         """Chunked forward of `ids` appended after the store's tokens: chunk-major on the CPU,
         layer-major on CUDA for a prompt of several chunks."""
         lm = self.lm
-        body = lm.model.model
         dev = lm.device
         start, n = self.pos, len(ids)
         chunk = n if n == 1 else self._chunk_len()  # a single token needs no chunk size
@@ -284,7 +285,7 @@ class Session:
                 last = self._layer_major(ids, start, bounds, progress, all_logits)
             else:
                 last = self._chunk_major(ids, start, bounds, progress, all_logits)
-            logits = lm.model.lm_head(body.norm(last.to(dev))).float()  # [n or 1, vocab]
+            logits = self._head(last.to(dev)).float()  # [n or 1, vocab]
         self.tokens.extend(ids)
         if self.evictor is not None and self.evictor.active:
             self.dropped, self.doc_end = len(self.tokens) - self.store.length, len(self.tokens)
@@ -295,6 +296,10 @@ class Session:
             self.policy.doc_start = self._doc_start()
             self.policy.on_prefill_end(self.router.captured, self.pos)
         return logits
+
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """Last hidden rows `[n, hidden]` -> logits `[n, vocab]`."""
+        return self.lm.model.lm_head(self.lm.model.model.norm(rows))
 
     def _doc_start(self) -> int:
         """Tokens before the document: those these tokens share with `template_head` (at
@@ -329,6 +334,8 @@ class Session:
                 self.store.check_resident()
                 if progress is not None:
                     progress(c0 + (c1 - c0) * (li + 1) // n_layers, n)
+            if self.evictor is not None and self.evictor.active:  # SURPRISE ranks here
+                self.evictor.after_layers(h[0], ids[c0:c1], self._head, self.store)
             if all_logits or c1 == n:
                 outs.append(h[0] if all_logits else h[0, -1:])
         return torch.cat(outs) if all_logits else outs[-1]  # [n or 1, hidden]

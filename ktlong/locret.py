@@ -9,7 +9,10 @@ the largest scaled logit `q.k / sqrt(d)` any later query of the same GQA group g
 `Evictor` runs inside a LOCRET prefill: after each chunk of the document goes through a layer,
 the chunk's rows are scored (by the heads, or by a baseline: the chunk's own last queries as
 H2O/SnapKV do, or recency as StreamingLLM does), the last `locret_stabilisers` rows are kept
-whatever their score, and each KV head keeps its `locret_budget` best rows. The kept rows are
+whatever their score, and each KV head keeps its `locret_budget` best rows. SURPRISE needs the
+chunk's last layer first: every layer keeps the chunk's rows until the model's next-token
+log-probabilities rank the chunk's tokens (one ranking for every layer and head: a line scores
+the mean of its TOP largest surprisals), then each layer keeps its budget. The kept rows are
 rewritten in document order at positions 0..budget-1 (keys re-rotated from a float32 copy turned
 back to position 0, so no rounding accumulates), so every distance a query reads stays within
 budget + chunk: a model reads a document of any length without a distance it was not trained on,
@@ -19,6 +22,7 @@ and the KV held stays budget + chunk rows per layer, however long the document.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,9 @@ from ktlong.errors import KtlongError
 HEADS_FORMAT = 1
 HIDDEN = 64  # a head's hidden width
 OBSERVE = 32  # ATTENTION: the chunk's last queries that score the rows
+SEGMENT = 64  # SURPRISE: longest run of tokens scored as one (a line is shorter)
+TOP = 3  # SURPRISE: a line's score is the mean of its TOP largest surprisals (/ TOP if shorter)
+LOGIT_ROWS = 64  # SURPRISE: rows of the output head computed at a time (64 x vocab floats)
 
 
 # --- RoPE: keys to position 0 and back ----------------------------------------------------------
@@ -209,20 +216,27 @@ class Evictor:
     (float32), `scores` `[Hkv, m]` their scores; the store holds the same m rows."""
 
     def __init__(self, settings: Any, inv_freq: torch.Tensor | None,
-                 heads: RetainingHeads | None, n_layers: int) -> None:
+                 heads: RetainingHeads | None, n_layers: int,
+                 breaks: np.ndarray | None = None) -> None:
         self.budget, self.stab = settings.locret_budget, settings.locret_stabilisers
         self.scorer, self.init_len = settings.locret_scores, settings.init_len
         self.inv_freq, self.heads = inv_freq, heads
+        self.deferred = self.scorer == "SURPRISE"  # evicts after the chunk's last layer
+        self.breaks = breaks  # SURPRISE: [vocab] bool, the tokens that end a line
         self.active = False  # set by the session while a document is read
         self.k0: list[torch.Tensor | None] = [None] * n_layers
         self.scores: list[torch.Tensor | None] = [None] * n_layers
         self.index: list[torch.Tensor | None] = [None] * n_layers  # [Hkv, m] the rows' tokens
-        self.evicted = 0  # rows dropped per layer and head since reset()
+        self.reset()
 
     def reset(self) -> None:
         n = len(self.k0)
         self.k0, self.scores, self.index = [None] * n, [None] * n, [None] * n
-        self.evicted = 0
+        self.evicted = 0  # rows dropped per layer and head since reset()
+        self.read = 0  # SURPRISE: the document's tokens ranked so far
+        self.next_lp: torch.Tensor | None = None  # [vocab] log-probs of the token after them
+        self.seg_start = 0  # the open segment's first token
+        self.seg_top = np.zeros(0)  # its TOP largest surprisals so far, ascending
 
     def _score(self, slot: int, q: torch.Tensor, k0: torch.Tensor, v: torch.Tensor,
                start: int, scale: float, store: Any) -> torch.Tensor:
@@ -253,18 +267,83 @@ class Evictor:
     def after_chunk(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     start: int, scale: float, store: Any) -> None:
         """The chunk's k, v `[Hkv, C, d]` (at positions start..) were written to store layer
-        `slot` and attended: score them, then keep the budget."""
+        `slot` and attended: score them, then keep the budget (SURPRISE: later, `after_layers`)."""
         k0_new = turned_back(k.cpu(), self.inv_freq, start)
-        s_new = self._score(slot, q, k0_new, v, start, scale, store)
+        s_new = torch.zeros(k0_new.shape[:2]) if self.deferred \
+            else self._score(slot, q, k0_new, v, start, scale, store)
         old_k0, old_s, old_i = self.k0[slot], self.scores[slot], self.index[slot]
         k0 = k0_new if old_k0 is None else torch.cat([old_k0, k0_new], 1)  # [Hkv, M, d]
         s = s_new if old_s is None else torch.cat([old_s, s_new], 1)  # [Hkv, M]
         first = 0 if old_i is None else int(old_i[0, -1]) + 1  # the chunk's first token
         i_new = torch.arange(first, first + k.shape[1]).expand(k.shape[0], -1)
         idx = i_new if old_i is None else torch.cat([old_i, i_new], 1)  # [Hkv, M]
+        self.k0[slot], self.scores[slot], self.index[slot] = k0, s, idx
+        if not self.deferred:
+            self._keep(slot, store)
+
+    def after_layers(self, hidden: torch.Tensor, ids: list[int],
+                     head: Callable[[torch.Tensor], torch.Tensor], store: Any) -> None:
+        """SURPRISE, after the chunk went through every layer: hidden `[C, hidden]` its last
+        layer's rows, ids its C tokens, head(rows) -> logits `[rows, vocab]`. Scores each token
+        by its segment's (a line, at most SEGMENT tokens) TOP largest surprisals (the document's
+        first init_len tokens are always kept), then every layer keeps its budget."""
+        if not self.deferred:
+            return
+        carried = self.seg_start  # the segment open when the chunk began
+        s = self._pooled(self._surprisal(hidden, ids, head), ids)  # [C] the chunk's scores
+        first = self.read - len(ids)
+        for slot, (sc, idx) in enumerate(zip(self.scores, self.index, strict=True)):
+            if sc is None or idx is None:
+                continue
+            sc[:, -len(ids):] = torch.from_numpy(s).float()
+            if carried < first:  # its earlier rows take its score (s[0]) too
+                old = (idx >= carried) & (idx < first)
+                sc[old] = torch.clamp(sc[old], min=float(s[0]))
+            self._keep(slot, store)
+
+    def _surprisal(self, hidden: torch.Tensor, ids: list[int],
+                   head: Callable[[torch.Tensor], torch.Tensor]) -> np.ndarray:
+        """`[C]` nats, -log p(token | the tokens before it); the document's first token: 0."""
+        n, t = len(ids), torch.as_tensor(np.asarray(ids, np.int64))
+        out = np.zeros(n, np.float64)
+        if self.next_lp is not None:
+            out[0] = -float(self.next_lp[t[0]])
+        for a in range(0, n, LOGIT_ROWS):
+            b = min(n, a + LOGIT_ROWS)
+            lp = torch.log_softmax(head(hidden[a:b]).float(), -1)  # [b - a, vocab]
+            nxt = t[a + 1 : b + 1]  # the tokens these rows predict
+            out[a + 1 : a + 1 + nxt.numel()] = -lp[torch.arange(nxt.numel()), nxt].double().numpy()
+            if b == n:
+                self.next_lp = lp[-1].clone()
+        self.read += n
+        return out
+
+    def _pooled(self, surprise: np.ndarray, ids: list[int]) -> np.ndarray:
+        """Each token's score: the sum of its segment's TOP largest surprisals over TOP, the
+        open segment carried from chunk to chunk (`seg_start`, `seg_top`; `after_layers` raises
+        its earlier rows)."""
+        first = self.read - len(ids)
+        out = np.empty_like(surprise)
+        ends = self.breaks[np.asarray(ids)] if self.breaks is not None \
+            else np.zeros(len(ids), bool)
+        a = 0
+        for i in range(len(ids)):
+            tok = first + i
+            self.seg_top = np.sort(np.append(self.seg_top, surprise[i]))[-TOP:]
+            if ends[i] or tok - self.seg_start + 1 >= SEGMENT or i == len(ids) - 1:
+                out[a : i + 1] = self.seg_top.sum() / TOP
+                if ends[i] or tok - self.seg_start + 1 >= SEGMENT:  # the segment closes
+                    self.seg_start, self.seg_top, a = tok + 1, np.zeros(0), i + 1
+        n_init = max(0, min(len(ids), self.init_len - first))
+        out[:n_init] = np.inf  # the first tokens: attention sinks and the template's head
+        return out
+
+    def _keep(self, slot: int, store: Any) -> None:
+        """Keep layer `slot`'s `budget` best rows (the last `stab` whatever their score)."""
+        k0, s, idx = self.k0[slot], self.scores[slot], self.index[slot]
+        assert k0 is not None and s is not None and idx is not None
         m = k0.shape[1]
         if m <= self.budget:
-            self.k0[slot], self.scores[slot], self.index[slot] = k0, s, idx
             return
         pick = s.clone()
         pick[:, max(0, m - self.stab):] = float("inf")  # the stabilisers
@@ -279,3 +358,14 @@ class Evictor:
         store.rewrite(slot, k_new, v_rows)
         self.evicted += m - self.budget
 
+
+def line_breaks(tokenizer: Any, vocab: int) -> np.ndarray | None:
+    """`[vocab]` bool: the tokens that end a line (their text holds a newline); None without a
+    tokenizer."""
+    if tokenizer is None:
+        return None
+    texts = tokenizer.batch_decode([[i] for i in range(min(vocab, len(tokenizer)))])
+    out = np.zeros(vocab, bool)
+    for i, t in enumerate(texts):
+        out[i] = "\n" in t
+    return out

@@ -72,10 +72,10 @@ MEASURED: dict[str, Measured] = {
         "Gemma 3 270M (Q4_K_M), trained at 32K",
         tuple((f"accuracy-gemma3-licenses-{n}.json", "default")
               for n in ("16k", "16k-docs4-9", "64k", "128k", "128k-docs5-9", "256k",
-                        "256k-docs0-2")),
+                        "256k-docs0-2", "256k-docs3-4")),
         "licenses", "default", _cells((16384, 65536, 131072, 262144),
-                                      passkey="10/10 10/10 9/10 3/3",
-                                      needle="9/10 10/10 10/10 2/3")),
+                                      passkey="10/10 10/10 9/10 5/5",
+                                      needle="9/10 10/10 10/10 4/5")),
 }
 
 

@@ -108,7 +108,7 @@ def locret_key(spec: ModelSpec, s: Settings) -> dict[str, Any]:
                            "scores": s.locret_scores, "chunk": locret.chunk_len(s)}
     if s.locret_scores == "HEADS":
         key["heads"] = hashlib.sha256(locret.find_heads(spec, s).read_bytes()).hexdigest()[:16]
-    if s.locret_scores == "RECENT":
+    if s.locret_scores in ("RECENT", "SURPRISE"):
         key["init_len"] = s.init_len
     return key
 

@@ -34,7 +34,7 @@ INTERNALS_DEFAULTS = dict(
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
 PROFILES = ("default", "dense", "quest", "snapkv", "infllm", "streamingllm", "kvretrieval",
             "small", "ktransformers", "recall", "minference", "squeeze", "locret",
-            "locret-attention", "locret-recent")
+            "locret-attention", "locret-recent", "locret-surprise")
 
 
 def write_config(home: Path, text: str) -> Path:

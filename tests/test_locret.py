@@ -136,15 +136,116 @@ def test_eviction_keeps_budget_like_numpy(scorer):
     assert ev.evicted == m + c - b
 
 
+def _surprise_ref(hidden: np.ndarray, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """-log p(ids[t] | hidden[t-1]) under logits hidden @ w; token 0: 0 (float64)."""
+    logits = hidden @ w  # [n, vocab]
+    lp = logits - logits.max(1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(1, keepdims=True))
+    out = np.zeros(ids.size)
+    out[1:] = -lp[np.arange(ids.size - 1), ids[1:]]
+    return out
+
+
+def test_surprise_keeps_the_most_surprising_segments(monkeypatch):
+    """SURPRISE, chunk after chunk: a token's score is the mean of the TOP largest surprisals
+    in its segment so far (segments end after a break token or at SEGMENT tokens; shorter ones
+    divide by TOP too; a NumPy loop); the first
+    init_len tokens and the last `stabilisers` are kept; every KV head keeps the same budget of
+    best-scored rows, and the store holds exactly their values."""
+    monkeypatch.setattr(locret, "SEGMENT", 5)
+    monkeypatch.setattr(locret, "LOGIT_ROWS", 3)  # the head's rows in pieces
+    g = torch.Generator().manual_seed(7)
+    hkv, d, hid, vocab, b, stab, c, n = 2, 4, 6, 9, 12, 3, 8, 40
+    st = SimpleNamespace(locret_budget=b, locret_stabilisers=stab, locret_scores="SURPRISE",
+                         init_len=2)
+    breaks = np.zeros(vocab, bool)
+    breaks[:2] = True  # tokens 0 and 1 end a line
+    ev = locret.Evictor(st, None, None, 1, breaks)
+    top3 = lambda x: sum(sorted(x)[-3:]) / 3  # noqa: E731
+    w = torch.randn(hid, vocab, generator=g) * 3
+    hidden = torch.randn(n, hid, generator=g)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    v_all = torch.randn(hkv, n, d, generator=g)
+    k_all = torch.randn(hkv, n, d, generator=g)
+    sur = _surprise_ref(hidden.double().numpy(), ids.numpy(), w.double().numpy())
+    seg, start, count = np.empty(n, int), 0, 0  # each token's segment (its first token)
+    for t in range(n):
+        seg[t], count = start, count + 1
+        if breaks[ids[t]] or count == 5:
+            start, count = t + 1, 0
+    store = _Store(k_all[:, :0].clone(), v_all[:, :0].clone())
+    for c0 in range(0, n, c):
+        c1 = min(n, c0 + c)
+        before = set() if ev.index[0] is None else set(ev.index[0][0].tolist())
+        store.k = torch.cat([store.k, k_all[:, c0:c1]], 1)
+        store.v = torch.cat([store.v, v_all[:, c0:c1]], 1)
+        q = torch.randn(4, c1 - c0, d, generator=g)
+        ev.after_chunk(0, q, k_all[:, c0:c1], v_all[:, c0:c1], 0, 1.0, store)
+        ev.after_layers(hidden[c0:c1], ids[c0:c1].tolist(), lambda x: x @ w, store)
+        cand = sorted(before | set(range(c0, c1)))
+        score = {t: (np.inf if t < 2 else top3([sur[u] for u in range(seg[t], c1)
+                                                  if seg[u] == seg[t]])) for t in cand}
+        for t in cand[-stab:]:
+            score[t] = np.inf
+        kept = ev.index[0][0].tolist()
+        assert ev.index[0][1].tolist() == kept  # one ranking for every KV head
+        assert kept == sorted(kept) and set(kept) <= set(cand) and len(kept) == min(b, len(cand))
+        dropped = set(cand) - set(kept)
+        if dropped:
+            assert min(score[t] for t in kept) >= max(score[t] for t in dropped)
+        finite = [t for t in kept if np.isfinite(score[t]) and t not in cand[-stab:]]
+        np.testing.assert_allclose(ev.scores[0][0, [kept.index(t) for t in finite]].numpy(),
+                                   [score[t] for t in finite], rtol=1e-4)
+        torch.testing.assert_close(store.v, v_all[:, kept])
+    assert 0 in kept and 1 in kept and n - 1 in kept
+
+
+def test_line_breaks_are_the_tokens_holding_a_newline():
+    class Tok:
+        vocab = ["a", "\n", " end.", "?", " x", ".\n\n", "3.5"]
+
+        def __len__(self):
+            return len(self.vocab)
+
+        def batch_decode(self, rows):
+            return [self.vocab[r[0]] for r in rows]
+
+    got = locret.line_breaks(Tok(), 9)  # the model's vocabulary can be larger
+    assert got.tolist() == [False, True, False, False, False, True, False, False, False]
+    assert locret.line_breaks(None, 9) is None
+
+
 # --- sessions -----------------------------------------------------------------------------------
-def test_locret_with_room_for_everything_equals_dense(lm):
+@pytest.mark.parametrize("scorer", ["RECENT", "SURPRISE"])
+def test_locret_with_room_for_everything_equals_dense(lm, scorer):
     """A budget that holds the whole document keeps every token: the answer is the exact one."""
     ids = _ids(700)
     want = _greedy(Session(lm, settings(attention="DENSE", prefill="DENSE")), ids)
-    s = Session(lm, settings(attention="LOCRET", prefill="DENSE", locret_scores="RECENT",
+    s = Session(lm, settings(attention="LOCRET", prefill="DENSE", locret_scores=scorer,
                              locret_budget=1024, chunk_size=128))
     assert _greedy(s, ids) == want
     assert s.dropped == 0 and s.evictor.evicted == 0
+
+
+def test_surprise_reads_the_models_own_next_token_odds(lm):
+    """In a session, SURPRISE's scores come from the model's logits: with nothing evicted, each
+    kept row's score is the mean of its line's 3 largest -log p in the dense forward's logits."""
+    ids = _ids(300, seed=4)
+    dense = Session(lm, settings(attention="DENSE", prefill="DENSE"))
+    lp = torch.log_softmax(dense.prefill(ids, all_logits=True).double(), -1).numpy()
+    sur = np.zeros(len(ids))
+    sur[1:] = -lp[np.arange(len(ids) - 1), ids[1:]]
+    s = Session(lm, settings(attention="LOCRET", prefill="DENSE", locret_scores="SURPRISE",
+                             locret_budget=512, chunk_size=64, init_len=16))
+    s.prefill(ids)
+    ends = locret.line_breaks(lm.tokenizer, lm.spec.vocab_size)[ids]
+    want, a = np.empty(len(ids)), 0
+    for t in range(len(ids)):
+        if ends[t] or t - a + 1 == locret.SEGMENT or t == len(ids) - 1:
+            want[a : t + 1], a = np.sort(sur[a : t + 1])[-3:].sum() / 3, t + 1
+    want[:16] = np.inf
+    for layer in range(lm.spec.n_layers):
+        np.testing.assert_allclose(s.evictor.scores[layer][0].numpy(), want, rtol=2e-4)
 
 
 def test_locret_session_holds_the_budget(lm):

@@ -132,6 +132,7 @@ SCALED = {  # each profile's method keys, at sizes a 1.5K-token test prompt exer
     "locret": dict(locret_budget=256, locret_stabilisers=32, locret_scores="ATTENTION"),
     "locret-attention": dict(locret_budget=256, locret_stabilisers=32),
     "locret-recent": dict(locret_budget=256, locret_stabilisers=32),
+    "locret-surprise": dict(locret_budget=256, locret_stabilisers=32),
 }
 
 
