@@ -310,7 +310,7 @@ class Evictor:
             out[0] = -float(self.next_lp[t[0]])
         for a in range(0, n, LOGIT_ROWS):
             b = min(n, a + LOGIT_ROWS)
-            lp = torch.log_softmax(head(hidden[a:b]).float(), -1)  # [b - a, vocab]
+            lp = torch.log_softmax(head(hidden[a:b]).float(), -1).cpu()  # [b - a, vocab]
             nxt = t[a + 1 : b + 1]  # the tokens these rows predict
             out[a + 1 : a + 1 + nxt.numel()] = -lp[torch.arange(nxt.numel()), nxt].double().numpy()
             if b == n:
