@@ -6,7 +6,8 @@ KVStore and computes attention from the store:
 - dense: chunk queries against the layer's whole past, tiled with an online softmax, so no
   `[L, context]` matrix ever exists; on CUDA the current layer's KV is mirrored on the device;
   `prefill` WINDOW reads init_len + prefill_window of it, MINFERENCE each head's sparse pattern
-  (ktlong.minference);
+  (ktlong.minference), AUTO the patterns inside the model's trained context, the window past
+  it;
 - sparse: per token, the selection policy picks blocks and a Numba kernel attends to them.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ktlong.config import window_reads
 from ktlong.kvstore import KV_TYPES, KVStore
 from ktlong.minference import ChunkAttention
 from ktlong.slidingkv import SlidingKV
@@ -83,6 +85,8 @@ class AttentionRouter:
         # model layer -> store layer: the store holds only the layers that read the whole context
         self.kv_index = {li: i for i, li in enumerate(kv_layers or range(store.shape.n_layers))}
         self.chunk_attention = chunk_attention  # MINFERENCE prefill: per-head sparse patterns
+        self.patterns = chunk_attention is not None  # this forward reads through them
+        self.auto_reach = 0  # AUTO: the longest context read through them (minference.auto_reach)
         self.attn_s = 0.0  # seconds in prefill attention (dense or sparse) since begin()
         # decode: the local window attends on this device (the GPU) while the CPU kernel reads
         # the init + selected blocks; the two partial results merge by log-sum-exp
@@ -103,6 +107,7 @@ class AttentionRouter:
             fresh = ChunkAttention(self.chunk_attention.plan)  # no pooled keys yet
             fresh.dense_below = self.chunk_attention.dense_below
             self.chunk_attention = fresh
+            self.patterns = not self.auto_reach or self.store.length + total <= self.auto_reach
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -125,7 +130,8 @@ class AttentionRouter:
             self._mirror(layer, k, v, start)
         t0 = time.perf_counter()
         ca = self.chunk_attention
-        if ca is not None and q.shape[1] > 1 and start + q.shape[1] > ca.dense_below:
+        if ca is not None and self.patterns and q.shape[1] > 1 \
+                and start + q.shape[1] > ca.dense_below:
             out = self._minference(layer, q, start, scale)
         else:
             out = self._dense(layer, q, start, scale)
@@ -195,9 +201,10 @@ class AttentionRouter:
         no key lies further from a query than init_len + W + the chunk: a model never sees a
         distance it was not trained on while it reads the document."""
         s = self.policy.s
-        w, init = s.prefill_window, min(s.init_len, start)
-        if s.prefill != "WINDOW" or w <= 0 or start - w <= init:
+        reach = window_reads(s)
+        if not reach or start <= reach or self.patterns:  # AUTO's first chunks under its patterns
             return [(0, start, 0)]
+        w, init = s.prefill_window, s.init_len
         turn = start - w - init if (s.block_positions == "COMPACT"
                                     and self.policy.inv_freq is not None) else 0
         return [(0, init, turn), (start - w, start, 0)] if init else [(start - w, start, 0)]

@@ -179,10 +179,12 @@ class Settings:
     gpu_local_window: bool = _f("bool", True, "sparse attention", "Attend to the local window on "
                                 "the GPU when there is one")
     # prefill (how a document's tokens attend while it is read)
-    prefill: str = _f("enum", "WINDOW", "prefill", "DENSE: every earlier token (exact); WINDOW: "
+    prefill: str = _f("enum", "AUTO", "prefill", "DENSE: every earlier token (exact); WINDOW: "
                       "init_len + prefill_window tokens; MINFERENCE: per-head sparse patterns "
-                      "(MInference)", choices=("DENSE", "WINDOW", "MINFERENCE"))
-    prefill_window: int = _f("int", 16384, "prefill", "WINDOW: past tokens each prompt token "
+                      "(MInference); AUTO: MINFERENCE inside the model's trained context (and "
+                      "a sixteenth), WINDOW past it",
+                      choices=("DENSE", "WINDOW", "MINFERENCE", "AUTO"))
+    prefill_window: int = _f("int", 16384, "prefill", "WINDOW, AUTO: past tokens each prompt token "
                              "attends while a document is read, besides init_len; 0 = all "
                              "(exact)", 0)
     prefill_vertical: int = _f("int", 1024, "prefill", "MINFERENCE: key columns per head "
@@ -242,6 +244,14 @@ class Settings:
 
 
 FIELDS: dict[str, FieldSpec] = {f.name: f.metadata["spec"] for f in fields(Settings)}
+
+
+def window_reads(s: Any) -> int:
+    """Tokens a WINDOW or AUTO prefill reads before a chunk, init_len + prefill_window, once the
+    context is longer (0: no window, every earlier token). AUTO reads a context within this reach
+    through MInference's patterns."""
+    return s.init_len + s.prefill_window if s.prefill in ("WINDOW", "AUTO") \
+        and s.prefill_window else 0
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
 
@@ -407,7 +417,7 @@ class Resolved:
 
 # Defaults that changed since a first run copied them into config.yaml: such a value there reads as
 # today's default (a user who wants the old value sets it in a profile, or a flag).
-FORMER_DEFAULTS: dict[str, tuple[Any, ...]] = {"prefill_window": (12288,)}
+FORMER_DEFAULTS: dict[str, tuple[Any, ...]] = {"prefill_window": (12288,), "prefill": ("WINDOW",)}
 
 
 def resolve_settings(profile: str | None = None,

@@ -191,12 +191,16 @@ class Session:
             self.store.map_cap = max(self.store.map_cap, 2 * step)
         local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
         chunk_attention = None
-        if settings.prefill == "MINFERENCE":
+        if settings.prefill in ("MINFERENCE", "AUTO"):
             from ktlong.minference import ChunkAttention, resolve_plan
 
             chunk_attention = ChunkAttention(resolve_plan(spec, settings))
         self.router = AttentionRouter(self.store, self.policy, lm.device, local, chunk_attention,
                                       self.window, spec.kv_layers)
+        if settings.prefill == "AUTO":
+            from ktlong.minference import auto_reach
+
+            self.router.auto_reach = auto_reach(spec, settings)
         # LOCRET: tokens of self.tokens whose K,V the prefill did not keep; the document's length;
         # its last tokens that sit, in order, at the end of what was kept (a cut may end there)
         self.dropped = len(self.tokens) - self.store.length

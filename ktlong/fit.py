@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ktlong.config import FIELDS, Resolved, Settings
+from ktlong.config import FIELDS, Resolved, Settings, window_reads
 
 BUDGET_SHARE = (3, 4)  # of the trained context: what one step (or the prefill window) may read
 BUDGET_KEYS = ("init_len", "second_select_num", "local_windows_len", "prefill_window")
@@ -43,11 +43,6 @@ def explicit(resolved: Resolved, key: str) -> bool:
 def step_reads(st: Settings) -> int:
     """Tokens a sparse decode step reads: first tokens, selected blocks, local window."""
     return st.init_len + st.second_select_num * st.block_size + st.local_windows_len
-
-
-def window_reads(st: Settings) -> int:
-    """Tokens a windowed prefill reads before its chunk (0: not windowed, or every token)."""
-    return st.init_len + st.prefill_window if st.prefill == "WINDOW" and st.prefill_window else 0
 
 
 def _fit_decode(st: Settings, cap: int, mine: set[str]) -> dict[str, int]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ktlong.config import Settings, ktlong_home
+from ktlong.config import Settings, ktlong_home, window_reads
 from ktlong.errors import KtlongError
 
 KINDS = ("ashape", "vs", "block")
@@ -138,15 +138,28 @@ def resolve_plan(spec: Any, s: Settings) -> Plan:
     return read_plan(p, spec) if p.is_file() else default_plan(spec, s)
 
 
+def auto_reach(spec: Any, s: Settings) -> int:
+    """prefill AUTO reads a context up to this long through the patterns, a longer one through
+    the window: the model's trained context and a sixteenth (a document of that length, with the
+    chat template and a question), or the window's reach where that is longer or the trained
+    context unknown (0: always the patterns)."""
+    from ktlong.spec import trained_context
+
+    t = trained_context(spec)
+    return max(window_reads(s), t + t // 16) if t else window_reads(s)
+
+
 def prefill_key(spec: Any, s: Settings) -> dict[str, Any]:
     """What of the settings changes the KV a prefill writes (for cache keys): nothing for an
-    exact prefill (so older entries stay valid), the window, or the patterns."""
-    if s.prefill == "WINDOW" and s.prefill_window:
-        return {"prefill_window": s.prefill_window, "init_len": s.init_len,
-                "init_positions": s.block_positions}
-    if s.prefill == "MINFERENCE":
-        return {"prefill": "MINFERENCE", "patterns": resolve_plan(spec, s).fingerprint()}
-    return {}
+    exact prefill (so older entries stay valid), the window, the patterns, or both (AUTO: which
+    one reads a prompt follows from its length and the model, both in the key)."""
+    key: dict[str, Any] = {}
+    if window_reads(s):
+        key = {"prefill_window": s.prefill_window, "init_len": s.init_len,
+               "init_positions": s.block_positions}
+    if s.prefill in ("MINFERENCE", "AUTO"):
+        key.update(prefill=s.prefill, patterns=resolve_plan(spec, s).fingerprint())
+    return key
 
 
 # --- a chunk's index ----------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def parts(lm: Any, settings: Any) -> list[Part]:
     out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{votes}"
                 f"-nb{int(s.select_neighbours or s.spread_blocks > 0)}-local{int(local)}", "decode",
                 lambda: _attention(lm, s, None))]
-    if s.prefill == "MINFERENCE":
+    if s.prefill in ("MINFERENCE", "AUTO"):
         from ktlong.minference import resolve_plan
 
         kinds = sorted({p.kind for row in resolve_plan(lm.spec, s).layers for p in row})

@@ -28,7 +28,7 @@ INTERNALS_DEFAULTS = dict(
     token_step=1, layer_step=1, layer_budget="UNIFORM", squeeze_ratio=0.5,
     locret_budget=4096, locret_stabilisers=512, locret_scores="HEADS", locret_heads="",
     preselect_block=False, preselect_block_count=96,
-    preselect_window=64, preselect_pool=7, gpu_local_window=True, prefill="WINDOW",
+    preselect_window=64, preselect_pool=7, gpu_local_window=True, prefill="AUTO",
     prefill_window=16384, prefill_vertical=1024, prefill_slash=2048, prefill_patterns="",
     max_new_tokens=512,
     temperature=0.0, top_p=1.0, top_k=0, seed=-1, cache_dir="", cache_max_gb=64)
@@ -390,12 +390,14 @@ def test_profile_by_path_user_folder_and_missing(ktlong_home: Path, tmp_path: Pa
 
 
 def test_a_copied_older_default_in_config_yaml_follows_the_new_default(ktlong_home: Path) -> None:
-    """An older first run wrote prefill_window 12288 (then the default) into config.yaml; it
-    reads as today's default, so fitting treats it as the user's choice no more."""
-    write_config(ktlong_home, "prefill_window: 12288\nblock_size: 64\n")
+    """An older first run wrote prefill_window 12288 and prefill WINDOW (then the defaults) into
+    config.yaml; they read as today's defaults, so fitting treats them as the user's no more."""
+    write_config(ktlong_home, "prefill_window: 12288\nblock_size: 64\nprefill: WINDOW\n")
     r = resolve_settings()
     assert r.settings.prefill_window == FIELDS["prefill_window"].default == 16384
     assert r.sources["prefill_window"].startswith("default (config.yaml's 12288")
+    assert r.settings.prefill == FIELDS["prefill"].default == "AUTO"
+    assert r.sources["prefill"].startswith("default (config.yaml's WINDOW")
     assert r.settings.block_size == 64 and r.sources["block_size"].startswith("config:")
     write_config(ktlong_home, "prefill_window: 12000\n")  # the user's own number stays
     r = resolve_settings()

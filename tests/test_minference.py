@@ -3,6 +3,8 @@ K, V cannot change: they come before any attention; later layers' do), that budg
 everything make it exact, the torch path against the kernel, pattern files and cache keys."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +67,41 @@ def test_budgets_covering_everything_prefill_exactly(lm):
         for a, b in zip(_kv(dense, layer), _kv(full, layer), strict=True):
             np.testing.assert_allclose(a, b, atol=2e-5)
     torch.testing.assert_close(lf, ld, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_reads_through_the_patterns_within_the_windows_reach_and_the_window_past_it(lm):
+    """prefill AUTO: a prompt within its reach (the model's trained context) goes through the
+    patterns, bit for bit as MINFERENCE; a longer one through the window, as WINDOW. The cache
+    key names both."""
+    ids = _ids(lm)
+    pat = dict(prefill_vertical=8, prefill_slash=40, init_len=16, prefill_window=300)
+    kv = {}
+    for reach, twin in ((N, "MINFERENCE"), (N - 1, "WINDOW")):
+        auto = _session(lm, prefill="AUTO", **pat)
+        auto.router.auto_reach = reach  # as if the model were trained on `reach` tokens
+        ref = _session(lm, prefill=twin, **pat)
+        la, lr = auto.prefill(ids), ref.prefill(ids)
+        assert auto.router.patterns == (twin == "MINFERENCE")
+        for layer in range(2):
+            for a, b in zip(_kv(auto, layer), _kv(ref, layer), strict=True):
+                np.testing.assert_array_equal(a, b)
+        torch.testing.assert_close(la, lr, atol=0, rtol=0)
+        kv[twin] = _kv(auto, 1)[0]
+    assert np.abs(kv["MINFERENCE"][:, 512:] - kv["WINDOW"][:, 512:]).max() > 1e-3  # they differ
+    keys = [content_key(lm.spec, settings(**{**pat, **kw})) for kw in (
+        dict(prefill="AUTO"), dict(prefill="AUTO", prefill_window=400),
+        dict(prefill="AUTO", prefill_slash=41), dict(prefill="WINDOW"), dict(prefill="MINFERENCE"))]
+    assert len({str(sorted(k.items())) for k in keys}) == len(keys)
+
+
+def test_auto_reach_is_the_trained_context_and_a_sixteenth():
+    st = settings(prefill="AUTO", init_len=128, prefill_window=6016)
+    spec = SimpleNamespace(max_positions=8192, rope_scaling=None)
+    assert mi.auto_reach(spec, st) == 8192 + 512  # past the window's 6,144
+    assert mi.auto_reach(SimpleNamespace(max_positions=0), st) == 6144  # unknown: the window's
+    wide = settings(prefill="AUTO", init_len=128, prefill_window=16384)
+    assert mi.auto_reach(SimpleNamespace(max_positions=4096, rope_scaling=None), wide) == 16512
+    assert mi.auto_reach(SimpleNamespace(max_positions=0), settings(prefill_window=0)) == 0
 
 
 def test_mixed_plan_file_runs_and_is_keyed(lm, tmp_path):

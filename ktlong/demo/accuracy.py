@@ -74,12 +74,12 @@ PREFILL_KEYS = ("prefill", "prefill_window", "init_len", "block_positions", "pre
 def _prefill_key(st: Any) -> tuple[Any, ...]:
     """What of a profile's settings changes the document's KV (`prefill` and its own keys, and
     the KV format: a prefill reads its own quantised past)."""
-    if st.prefill == "WINDOW" and st.prefill_window:
-        return ("WINDOW", st.prefill_window, st.init_len, st.block_positions, st.kv_type)
-    if st.prefill == "MINFERENCE":
-        return ("MINFERENCE", st.prefill_vertical, st.prefill_slash, st.prefill_patterns,
-                st.kv_type)
-    return ("DENSE", st.kv_type)
+    from ktlong.config import window_reads
+
+    window = (st.prefill_window, st.init_len, st.block_positions) if window_reads(st) else ()
+    patterns = (st.prefill_vertical, st.prefill_slash, st.prefill_patterns) \
+        if st.prefill in ("MINFERENCE", "AUTO") else ()
+    return (st.prefill if window or patterns else "DENSE", *window, *patterns, st.kv_type)
 
 
 def fact_span(doc_ids: Sequence[int], tok: Any, sentence: str) -> tuple[int, int] | None:
