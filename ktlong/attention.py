@@ -103,7 +103,7 @@ class AttentionRouter:
         self.sparse, self.capture, self.captured = sparse, capture, {}
         self._dev_layer, self._dev_kv, self._total = -1, None, total
         self.attn_s = 0.0
-        if self.chunk_attention is not None:
+        if self.chunk_attention is not None and not sparse:  # a sparse forward never reads it
             fresh = ChunkAttention(self.chunk_attention.plan)  # no pooled keys yet
             fresh.dense_below = self.chunk_attention.dense_below
             self.chunk_attention = fresh

@@ -248,10 +248,17 @@ FIELDS: dict[str, FieldSpec] = {f.name: f.metadata["spec"] for f in fields(Setti
 
 def window_reads(s: Any) -> int:
     """Tokens a WINDOW or AUTO prefill reads before a chunk, init_len + prefill_window, once the
-    context is longer (0: no window, every earlier token). AUTO reads a context within this reach
-    through MInference's patterns."""
+    context is longer (0: no window, every earlier token; AUTO reads a context within the model's
+    trained length through its patterns instead: `minference.auto_reach`)."""
     return s.init_len + s.prefill_window if s.prefill in ("WINDOW", "AUTO") \
         and s.prefill_window else 0
+
+
+def reads_patterns(s: Any) -> bool:
+    """A MINFERENCE prefill, or an AUTO one (inside the model's trained length)."""
+    return s.prefill in ("MINFERENCE", "AUTO")
+
+
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
 

@@ -17,7 +17,7 @@ import torch
 
 from ktlong import decoder, memory
 from ktlong.attention import AttentionRouter
-from ktlong.config import Settings
+from ktlong.config import Settings, reads_patterns
 from ktlong.errors import KtlongError
 from ktlong.fit import prefill_chunk
 from ktlong.kvstore import KVStore, StoreShape
@@ -191,7 +191,7 @@ class Session:
             self.store.map_cap = max(self.store.map_cap, 2 * step)
         local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
         chunk_attention = None
-        if settings.prefill in ("MINFERENCE", "AUTO"):
+        if reads_patterns(settings):
             from ktlong.minference import ChunkAttention, resolve_plan
 
             chunk_attention = ChunkAttention(resolve_plan(spec, settings))

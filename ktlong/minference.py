@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ktlong.config import Settings, ktlong_home, window_reads
+from ktlong.config import Settings, ktlong_home, reads_patterns, window_reads
 from ktlong.errors import KtlongError
 
 KINDS = ("ashape", "vs", "block")
@@ -157,7 +157,7 @@ def prefill_key(spec: Any, s: Settings) -> dict[str, Any]:
     if window_reads(s):
         key = {"prefill_window": s.prefill_window, "init_len": s.init_len,
                "init_positions": s.block_positions}
-    if s.prefill in ("MINFERENCE", "AUTO"):
+    if reads_patterns(s):
         key.update(prefill=s.prefill, patterns=resolve_plan(spec, s).fingerprint())
     return key
 

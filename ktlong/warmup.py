@@ -104,6 +104,8 @@ class Part:
 
 def parts(lm: Any, settings: Any) -> list[Part]:
     """What `warm_up` would run for this model and settings, in order."""
+    from ktlong.config import reads_patterns
+
     s = settings
     local = bool(s.gpu_local_window and lm.device.type == "cuda")
     votes = int(s.preselect_block) + 2 * int(s.question_blocks > 0) \
@@ -111,7 +113,7 @@ def parts(lm: Any, settings: Any) -> list[Part]:
     out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{votes}"
                 f"-nb{int(s.select_neighbours or s.spread_blocks > 0)}-local{int(local)}", "decode",
                 lambda: _attention(lm, s, None))]
-    if s.prefill in ("MINFERENCE", "AUTO"):
+    if reads_patterns(s):
         from ktlong.minference import resolve_plan
 
         kinds = sorted({p.kind for row in resolve_plan(lm.spec, s).layers for p in row})

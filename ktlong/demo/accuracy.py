@@ -74,11 +74,11 @@ PREFILL_KEYS = ("prefill", "prefill_window", "init_len", "block_positions", "pre
 def _prefill_key(st: Any) -> tuple[Any, ...]:
     """What of a profile's settings changes the document's KV (`prefill` and its own keys, and
     the KV format: a prefill reads its own quantised past)."""
-    from ktlong.config import window_reads
+    from ktlong.config import reads_patterns, window_reads
 
     window = (st.prefill_window, st.init_len, st.block_positions) if window_reads(st) else ()
     patterns = (st.prefill_vertical, st.prefill_slash, st.prefill_patterns) \
-        if st.prefill in ("MINFERENCE", "AUTO") else ()
+        if reads_patterns(st) else ()
     return (st.prefill if window or patterns else "DENSE", *window, *patterns, st.kv_type)
 
 
