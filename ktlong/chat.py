@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ktlong.config import Settings
-from ktlong.conversation import Conversation, Turn
+from ktlong.conversation import SEP, Conversation, Turn
 from ktlong.documents import Document, read_document
 from ktlong.errors import KtlongError
 
@@ -178,7 +180,7 @@ class ChatLoop:
         if self.session is None:
             self.open()
         s = self.session
-        text = self.conv.question_text(question)
+        text = self._recalled(question) + self.conv.question_text(question)
         lead = self.lead_ids()
         ids = self.conv.prompt_ids(text) + lead
         try:
@@ -218,6 +220,21 @@ class ChatLoop:
             ans.stats = dataclasses.replace(ans.stats)
             if ans.stop in ("interrupted", "context_full"):
                 s.truncate(len(s.tokens))  # a forward cut short may have written some layers
+
+    def _recalled(self, question: str) -> str:
+        """LOCRET, a document longer than what was kept: the passages of it that hold the
+        question's rarest words, re-read before the question (ktlong/recall.py); else ""."""
+        s, budget = self.session, self.settings.locret_recall
+        if not (s.dropped and budget and question.strip()):
+            return ""
+        from ktlong.recall import recalled
+
+        found = recalled(self.lm.tokenizer, np.asarray(s.tokens[: self.doc_len]), question,
+                         budget, skip=len(self.conv.head_ids()))
+        if found:
+            self.ui.note(f"re-reading {len(found)} passage{'s' if len(found) != 1 else ''} of "
+                         "the document that hold the question's words (locret_recall)")
+        return "".join(p + SEP for p in found)
 
     # --- context shift (overflow: SHIFT) -------------------------------------------------------
     @property

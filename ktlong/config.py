@@ -209,6 +209,10 @@ class Settings:
                             choices=("HEADS", "ATTENTION", "RECENT", "SURPRISE"))
     locret_heads: str = _f("str", "", "locret", "Retaining-heads file; empty = the model's, "
                            "trained by `ktlong train-heads` or shipped")
+    locret_recall: int = _f("int", 512, "locret", "Tokens of the document re-read before each "
+                            "question: the passages holding the question's rarest words, with "
+                            "64 tokens either side (ktlong/recall.py); 0 = only what was kept",
+                            0)
     # preselection (SnapKV-style, once per question)
     preselect_block: bool = _f("bool", False, "preselection", "Preselect blocks once per "
                                "question; decode picks only among them")

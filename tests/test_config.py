@@ -27,6 +27,7 @@ INTERNALS_DEFAULTS = dict(
     block_positions="COMPACT", score_positions="NEAR", select_neighbours=False, spread_blocks=0,
     token_step=1, layer_step=1, layer_budget="UNIFORM", squeeze_ratio=0.5,
     locret_budget=4096, locret_stabilisers=512, locret_scores="HEADS", locret_heads="",
+    locret_recall=512,
     preselect_block=False, preselect_block_count=96,
     preselect_window=64, preselect_pool=7, gpu_local_window=True, prefill="AUTO",
     prefill_window=16384, prefill_vertical=1024, prefill_slash=2048, prefill_patterns="",

@@ -131,11 +131,12 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     block-sparse decode attention on the CPU), as in a chat; `only`: run just these samples
     (0-based) of the `samples` documents, the same documents as in the whole run."""
     from ktlong.config import resolve_settings
-    from ktlong.conversation import Conversation
+    from ktlong.conversation import SEP, Conversation
     from ktlong.engine import Sampling, Session
     from ktlong.fit import fit_to_model
     from ktlong.kvstore import StoreShape
     from ktlong.model import load_model
+    from ktlong.recall import recalled
 
     lm = load_model(model or default_model(), device)
     tok = lm.tokenizer
@@ -171,9 +172,12 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
             doc_ids = conv.document_ids()
             # per asked fact: its prompt ids (with the answer's lead) and the lead's text
             heads = [f.lead if lead else "" for f in sample.asked]
-            prompts = [conv.prompt_ids(f.question)
-                       + (tok(h, add_special_tokens=False)["input_ids"] if h else [])
-                       for f, h in zip(sample.asked, heads, strict=True)]
+
+            def ask_ids(question: str, h: str, conv: Any = conv) -> list[int]:
+                return conv.prompt_ids(question) \
+                    + (tok(h, add_special_tokens=False)["input_ids"] if h else [])
+
+            prompts = [ask_ids(f.question, h) for f, h in zip(sample.asked, heads, strict=True)]
             spans = [fact_span(doc_ids, tok, f.sentence) for f in sample.asked]
 
             prefilled = {}
@@ -184,9 +188,15 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
             prefill_s = time.perf_counter() - t0
             line = []
             for name, st in per.items():
+                asks = prompts
                 if st.attention == "LOCRET":
                     sess = Session(lm, st)
                     sess.prefill(doc_ids)
+                    if sess.dropped and st.locret_recall:  # the passages re-read (recall.py)
+                        skip = len(conv.head_ids())
+                        asks = [ask_ids("".join(p + SEP for p in recalled(
+                            tok, doc_ids, f.question, st.locret_recall, skip)) + f.question, h)
+                            for f, h in zip(sample.asked, heads, strict=True)]
                 else:
                     s0 = prefilled[_prefill_key(st)]
                     # the layers the prefill's store holds (Gemma 3: its global ones)
@@ -198,7 +208,7 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                     sess = Session(lm, st, store=store, tokens=doc_ids)
                     sess.policy.on_prefill_end(s0.router.captured, len(doc_ids))
                 right, ranked = 0, []
-                for fact, head, prompt, span in zip(sample.asked, heads, prompts, spans,
+                for fact, head, prompt, span in zip(sample.asked, heads, asks, spans,
                                                     strict=True):
                     sess.policy.vote_orders.clear()
                     sess.extend_to(prompt)
