@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ktlong.config import Settings
-from ktlong.conversation import SEP, Conversation, Turn
+from ktlong.conversation import Conversation, Turn
 from ktlong.documents import Document, read_document
 from ktlong.errors import KtlongError
 
@@ -227,14 +227,14 @@ class ChatLoop:
         s, budget = self.session, self.settings.locret_recall
         if not (s.dropped and budget and question.strip()):
             return ""
-        from ktlong.recall import recalled
+        from ktlong.recall import prefix
 
-        found = recalled(self.lm.tokenizer, np.asarray(s.tokens[: self.doc_len]), question,
-                         budget, skip=len(self.conv.head_ids()))
-        if found:
-            self.ui.note(f"re-reading {len(found)} passage{'s' if len(found) != 1 else ''} of "
-                         "the document that hold the question's words (locret_recall)")
-        return "".join(p + SEP for p in found)
+        text, n = prefix(self.lm.tokenizer, np.asarray(s.tokens[: self.doc_len]), question,
+                         budget, skip=len(s.template_head or ()))
+        if n:
+            self.ui.note(f"re-reading {n} passage{'s' if n != 1 else ''} of the document that "
+                         "hold the question's words (locret_recall)")
+        return text
 
     # --- context shift (overflow: SHIFT) -------------------------------------------------------
     @property

@@ -34,7 +34,6 @@ def passages(doc: Sequence[int], question: Sequence[int], budget: int,
     d = np.asarray(doc, np.int64)
     n = d.size
     q = np.unique(np.asarray(question, np.int64))
-    q = q[(q >= 0) & (q <= (d.max() if n else -1))]
     if budget <= 0 or n <= skip or q.size == 0:
         return []
     seg = np.arange(n) // STRIDE  # [n] each token's segment
@@ -66,10 +65,14 @@ def passages(doc: Sequence[int], question: Sequence[int], budget: int,
     return sorted(spans)
 
 
-def recalled(tokenizer: Any, doc: Sequence[int], question: str, budget: int,
-             skip: int = 0) -> list[str]:
-    """`passages` of `doc` (its token ids; the first `skip` the template's head) for
-    `question`, as text."""
+def prefix(tokenizer: Any, doc: Sequence[int], question: str, budget: int,
+           skip: int = 0) -> tuple[str, int]:
+    """The text to put before `question`: the `passages` of `doc` (its token ids; the first
+    `skip` the template's head), each followed by the conversation's separator; and how many
+    there are (("", 0) for none)."""
+    from ktlong.conversation import SEP
+
     q = tokenizer(question, add_special_tokens=False)["input_ids"]
-    return [tokenizer.decode([int(t) for t in doc[a:z]])
-            for a, z in passages(doc, q, budget, skip=skip)]
+    spans = passages(doc, q, budget, skip=skip)
+    return "".join(tokenizer.decode([int(t) for t in doc[a:z]]) + SEP for a, z in spans), \
+        len(spans)

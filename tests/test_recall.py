@@ -110,3 +110,31 @@ def test_recall_off_or_nothing_dropped_asks_the_question_alone(lm):
     assert loop.session.dropped == 0
     list(loop.ask(QUESTION))
     assert loop.conv.turns[-1].question == QUESTION
+
+
+def test_bench_accuracy_asks_a_locret_profile_after_the_questions_passages(tmp_path, monkeypatch):
+    """`bench accuracy` builds a LOCRET profile's prompts as the chat does: the passages the
+    question's words point to, then the question (recall.prefix), once the budget dropped part
+    of the document; a profile with recall off asks the question alone."""
+    from ktlong import recall
+    from ktlong.demo import accuracy
+
+    calls: list[str] = []
+    real = recall.prefix
+
+    def spy(tok, doc, question, budget, skip=0):  # type: ignore[no-untyped-def]
+        text, n = real(tok, doc, question, budget, skip)
+        calls.append(question)
+        assert n and text.endswith("\n\n") and budget == 256
+        return text, n
+
+    monkeypatch.setattr(recall, "prefix", spy)
+    on = tmp_path / "small-locret.yaml"
+    on.write_text("attention: LOCRET\nlocret_scores: RECENT\nprefill: dense\n"
+                  "locret_budget: 256\nlocret_stabilisers: 32\nlocret_recall: 256\n")
+    off = tmp_path / "small-locret-off.yaml"
+    off.write_text(on.read_text().replace("locret_recall: 256", "locret_recall: 0"))
+    recs = accuracy.run(None, [1024], 1, [str(on), str(off)],
+                        task_names=["passkey"])
+    assert calls == ["What is the pass key?"]  # the first profile's one question, only
+    assert {r.profile for r in recs} == {str(on), str(off)}

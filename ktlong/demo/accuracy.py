@@ -131,12 +131,12 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
     block-sparse decode attention on the CPU), as in a chat; `only`: run just these samples
     (0-based) of the `samples` documents, the same documents as in the whole run."""
     from ktlong.config import resolve_settings
-    from ktlong.conversation import SEP, Conversation
+    from ktlong.conversation import Conversation
     from ktlong.engine import Sampling, Session
     from ktlong.fit import fit_to_model
     from ktlong.kvstore import StoreShape
     from ktlong.model import load_model
-    from ktlong.recall import recalled
+    from ktlong.recall import prefix
 
     lm = load_model(model or default_model(), device)
     tok = lm.tokenizer
@@ -172,12 +172,9 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
             doc_ids = conv.document_ids()
             # per asked fact: its prompt ids (with the answer's lead) and the lead's text
             heads = [f.lead if lead else "" for f in sample.asked]
-
-            def ask_ids(question: str, h: str, conv: Any = conv) -> list[int]:
-                return conv.prompt_ids(question) \
-                    + (tok(h, add_special_tokens=False)["input_ids"] if h else [])
-
-            prompts = [ask_ids(f.question, h) for f, h in zip(sample.asked, heads, strict=True)]
+            leads = [tok(h, add_special_tokens=False)["input_ids"] if h else [] for h in heads]
+            prompts = [conv.prompt_ids(f.question) + ids
+                       for f, ids in zip(sample.asked, leads, strict=True)]
             spans = [fact_span(doc_ids, tok, f.sentence) for f in sample.asked]
 
             prefilled = {}
@@ -194,9 +191,9 @@ def run(model: Path | None, lengths: Sequence[int], samples: int, profiles: Sequ
                     sess.prefill(doc_ids)
                     if sess.dropped and st.locret_recall:  # the passages re-read (recall.py)
                         skip = len(conv.head_ids())
-                        asks = [ask_ids("".join(p + SEP for p in recalled(
-                            tok, doc_ids, f.question, st.locret_recall, skip)) + f.question, h)
-                            for f, h in zip(sample.asked, heads, strict=True)]
+                        asks = [conv.prompt_ids(prefix(tok, doc_ids, f.question,
+                                                       st.locret_recall, skip)[0] + f.question)
+                                + ids for f, ids in zip(sample.asked, leads, strict=True)]
                 else:
                     s0 = prefilled[_prefill_key(st)]
                     # the layers the prefill's store holds (Gemma 3: its global ones)
