@@ -7,6 +7,9 @@ Imported as `ktlong.kernels`. Importing it (before any kernel compiles):
 - sets OMP_WAIT_POLICY=PASSIVE (unless set) and picks Numba's `omp` threading layer: spinning
   OpenMP threads collapse throughput on a busy machine, and `workqueue` aborts when two Python
   threads launch kernels at once (falls back to tbb, then workqueue, if omp is missing);
+- sets GOMP_SPINCOUNT (unless set): an idle OpenMP thread spins ~0.3 ms before it sleeps. A
+  decode step starts a parallel region every few dozen microseconds, and waking a sleeping thread
+  costs ~45 us on a VM; the spin is too short to take much from other work on a busy machine;
 - points Numba's on-disk cache at `<KTLONG_HOME or ~/.ktlong>/numba-cache/<hash of every source
   file here>` (or `$NUMBA_CACHE_DIR/<hash>`), because Numba keys a cached kernel on its own file
   only and would keep stale code after a change in a helper module.
@@ -19,7 +22,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+SPIN_COUNT = "30000"  # libgomp's spins before a thread sleeps (~0.3 ms by its own estimate)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 import numba  # noqa: E402
 

@@ -62,7 +62,7 @@ def rope_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos + rot * sin
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)  # no zero-division check: vectorises
 def gated(g, u, gelu):
     """g [n] = act(g) * u in place; act SiLU, or with `gelu` tanh-approximated GELU. Both through
     e = exp(-|z|) (exp2_neg: vectorises): sigmoid(z) = 1 / (1 + e), or e / (1 + e) for z < 0;

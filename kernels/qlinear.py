@@ -271,9 +271,9 @@ def _qgemv(w, qtype, x, serial=False):
 AHEAD = 16384  # bytes at least: four rows at a time are four short streams at once, which the
 # hardware prefetcher does not follow; each row prefetches its bytes in the tile this far on (2x on
 # a big matrix of short rows; 1.4x on 8B-width Q6_K rows)
-SERIAL_BYTES = 1 << 20  # smaller weights run on the calling thread alone: starting a parallel
-# region wakes the sleeping OpenMP workers (OMP_WAIT_POLICY=PASSIVE), ~50 us on a 2-vCPU VM, more
-# than such a matrix takes on one core (~40 us for 1 MB)
+SERIAL_BYTES = 1 << 17  # smaller weights run on the calling thread alone: a parallel region
+# costs ~2 us while the kernels' threads spin (kernels/__init__.py), ~45 us to wake them once
+# asleep; a matrix this size takes ~5 us on one core
 _K45_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # Q4_K / Q5_K: x's sub-blocks of 32 as the step reads them
 
 
@@ -670,6 +670,14 @@ def _dequant(w, qtype, rows, c0, c1, out):
     return out
 
 
+@njit(nogil=True, cache=True)
+def _dequant_serial(w, qtype, rows, c0, c1, out):
+    # as _dequant, on the calling thread (a decode step's embedding row)
+    for i in range(rows.shape[0]):
+        _decode_row(w[rows[i]], qtype, c0, c1, out[i])
+    return out
+
+
 _U8, _F32 = np.dtype(np.uint8), np.dtype(F32)  # dtypes compare faster with dtypes than types
 
 
@@ -737,8 +745,11 @@ def dequant_rows(w: np.ndarray, qtype: int, k: int, ids: np.ndarray) -> np.ndarr
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
         raise ValueError("row id out of range")
+    out = np.empty((ids.shape[0], k), F32)
+    if ids.shape[0] * w.shape[1] < SERIAL_BYTES:
+        return _dequant_serial(w, qtype, ids, 0, k, out)
     use_threads()
-    return _dequant(w, qtype, ids, 0, k, np.empty((ids.shape[0], k), F32))
+    return _dequant(w, qtype, ids, 0, k, out)
 
 
 def qgemv_ref(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:

@@ -74,8 +74,8 @@ PromptFilesOpt = Annotated[list[str] | None, typer.Option(
          "its name; - reads stdin.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", "-t", show_default=False,
-    help="CPU threads (0 = the cores idle when a prefill or an answer starts, at least the "
-         "physical cores less one).")]
+    help="CPU threads (0 = the cores idle when a prefill or an answer starts and every 16 "
+         "tokens of an answer, at least the physical cores less one).")]
 
 
 def overrides(sets: list[str] | None = None, **flags: Any) -> dict[str, Any]:

@@ -99,8 +99,8 @@ class Settings:
                              "activations); AUTO = BF16 on such a CPU for layers at least "
                              "512 wide, else FP32", choices=("AUTO", "BF16", "FP32"))
     threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
-                          "idle when a prefill or an answer starts, at least the physical cores "
-                          "less one", 0)
+                          "idle when a prefill or an answer starts and every 16 tokens of an "
+                          "answer, at least the physical cores less one", 0)
     # sparse attention
     attention: str = _f("enum", "SPARSE", "sparse attention", "SPARSE picks KV blocks per step; "
                         "DENSE reads every token (exact); LOCRET keeps locret_budget tokens of "

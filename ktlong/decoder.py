@@ -25,7 +25,14 @@ import torch
 from torch import nn
 
 from ktlong import kernels
-from ktlong.weights import _FLOAT_KINDS, GatedMLP, HalfLinear, QuantLinear, _gelu_tanh
+from ktlong.weights import (
+    _FLOAT_KINDS,
+    GatedMLP,
+    HalfLinear,
+    QuantEmbedding,
+    QuantLinear,
+    _gelu_tanh,
+)
 
 Vec = np.ndarray  # float32 [n]
 Linear = Callable[[Vec], Vec]
@@ -149,6 +156,11 @@ def _layer(i: int, layer: nn.Module) -> LayerPlan | None:
                      **parts, **extra)
 
 
+ROPE_ROWS = 256  # positions whose RoPE tables one call of the model's rotary module computes
+_LENGTH_ROPE = {"dynamic", "longrope"}  # RoPE types whose tables depend on the longest position
+# asked for: a position at a time
+
+
 class Decoder:
     """Runs one token through a CPU model; `step` returns logits [1, vocab] float32."""
 
@@ -156,21 +168,49 @@ class Decoder:
         self.lm, self.layers, self.norm, self.head = lm, layers, norm, head
         self.body = lm.model.model
         self.softcap = getattr(lm.model.config, "final_logit_softcapping", None)
+        self._rope_at = -1  # first position of the tables in _rope
+        self._rope: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: cos, sin [ROPE_ROWS, d]
 
-    def step(self, token: int, pos: int, router: Any, store: Any) -> torch.Tensor:
+    def embed(self, token: int) -> Vec:
+        """The token's embedding row [hidden] float32: straight from a quantised table's bytes,
+        else through the model's own module."""
+        emb = self.body.embed_tokens
+        if (isinstance(emb, QuantEmbedding) and emb.dtype == torch.float32
+                and emb.table.qt.name not in _FLOAT_KINDS):
+            t = emb.table
+            h = kernels.dequant_rows(t.raw, t.qt.ggml, t.in_features, np.array([token]))[0]
+            if emb.scale != 1.0:
+                h *= np.float32(emb.scale)
+            return h
+        h_t = emb(torch.tensor([[token]]))  # [1, 1, hidden]
+        return np.array(h_t.reshape(-1).float().numpy(), np.float32)
+
+    def rope(self, pos: int) -> list[tuple[Vec, Vec]]:
+        """Each layer's RoPE cos, sin [d] at `pos`, from the model's rotary module, which is
+        asked for ROPE_ROWS positions at a time (its per-call cost exceeds a layer's on a small
+        model)."""
         from ktlong.engine import position_embeddings
 
-        h_t = self.body.embed_tokens(torch.tensor([[token]]))  # [1, 1, hidden]
-        h = np.array(h_t.reshape(-1).float().numpy(), np.float32)  # the residual stream
+        kinds = getattr(self.body.rotary_emb, "rope_type", "default")
+        kinds = set(kinds.values()) if isinstance(kinds, dict) else {kinds}
+        rows = 1 if kinds & _LENGTH_ROPE else ROPE_ROWS
+        r = pos % rows
+        if self._rope_at != pos - r:
+            self._rope_at = pos - r
+            probe = torch.zeros((1, 1, 1), dtype=self.lm.model.dtype)  # the tables' dtype
+            ids = torch.arange(pos - r, pos - r + rows)[None]
+            tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # one per layer type
+            self._rope = [tables.setdefault(id(cs), (cs[0][0].float().numpy(),
+                                                     cs[1][0].float().numpy()))
+                          for cs in position_embeddings(self.body, probe, ids)]
+        return [(c[r], s[r]) for c, s in self._rope]
+
+    def step(self, token: int, pos: int, router: Any, store: Any) -> torch.Tensor:
+        h = self.embed(token)  # [hidden] the residual stream
         x = np.empty_like(h)
-        rope: dict[int, tuple[Vec, Vec]] = {}  # per table (layer type): cos, sin [d]
-        embs = position_embeddings(self.body, h_t, torch.tensor([[pos]]))
+        rope = self.rope(pos)
         for p in self.layers:
-            cs = embs[p.index]
-            if id(cs) not in rope:
-                rope[id(cs)] = (cs[0].reshape(-1).float().numpy(),
-                                cs[1].reshape(-1).float().numpy())
-            cos, sin = rope[id(cs)]
+            cos, sin = rope[p.index]
             p.attn_norm(h, x)
             q = p.q(x).reshape(p.heads, p.head_dim)
             k = p.k(x).reshape(p.kv_heads, p.head_dim)

@@ -66,6 +66,8 @@ class Step:
     stats: Stats = field(default_factory=Stats)
 
 
+RETHREAD_TOKENS = 16  # with threads_num 0, the idle cores are counted again this often in an
+# answer: a thread whose core another job takes stalls every parallel region (kernels/threads.py)
 ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they fit in this
 
 
@@ -512,6 +514,8 @@ class Session:
                 self.check_fits(1)
                 self.logits = self._forward([token], None, sparse=True)[-1]
             dt = max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))  # nor here
+            if (i + 1) % RETHREAD_TOKENS == 0:
+                self._set_threads()  # another job may have taken a core since the answer began
             stats.new_tokens = i + 1
             stats.decode_tok_s = stats.new_tokens / dt if dt > 0 else 0.0
             stats.context_tokens, stats.kv_bytes = len(self.tokens), self.store.nbytes_used()

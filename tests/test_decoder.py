@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ktlong import decoder, kernels
-from ktlong.engine import Session
+from ktlong.engine import Session, position_embeddings
 from ktlong.model import load_model
 from ktlong.tinymodel import make_model
 from tests.models import ARCHS, gguf_model, hf_model, settings
@@ -99,6 +99,34 @@ def test_decode_step_of_a_gemma3_equals_the_modules(tmp_path):
                       kv_heads=1, head_dim=16, sliding_window=16, seed=3)
     mine, theirs = _steps(path, n_prompt=40, n_steps=30)
     np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "q8_0 gguf"])
+def test_decoder_rope_and_embedding_equal_the_modules(kind, tmp_path):
+    """The decoder's RoPE rows (the rotary module asked for ROPE_ROWS positions at once) equal
+    the module's tables for one position, on both sides of a batch's edge and for each of Gemma
+    3's two tables; its embedding row (a quantised table read directly, Gemma's scale) equals
+    the embedding module's."""
+    if kind == "gemma3":
+        path = make_model(tmp_path / "gemma", "gemma3_text", layers=6, hidden=64, heads=4,
+                          kv_heads=1, head_dim=16, sliding_window=16, seed=3)
+    else:
+        path = gguf_model("llama", "Q8_0")
+    lm = load_model(path, device="CPU")
+    dec = decoder.build(lm)
+    body = dec.body
+    probe = torch.zeros((1, 1, 1))
+    for pos in (0, 1, decoder.ROPE_ROWS - 1, decoder.ROPE_ROWS, 3 * decoder.ROPE_ROWS + 7, 5):
+        want = position_embeddings(body, probe, torch.tensor([[pos]]))
+        got = dec.rope(pos)
+        for (c, s), (wc, ws) in zip(got, want, strict=True):
+            np.testing.assert_array_equal(c, wc.reshape(-1).numpy())
+            np.testing.assert_array_equal(s, ws.reshape(-1).numpy())
+    tables = {id(c.base) for c, _ in dec.rope(9)}
+    assert len(tables) == (2 if kind == "gemma3" else 1)
+    for token in (0, 7, lm.spec.vocab_size - 1):
+        want = body.embed_tokens(torch.tensor([[token]])).reshape(-1).numpy()
+        np.testing.assert_array_equal(dec.embed(token), want)
 
 
 def test_a_model_the_decoder_does_not_know_runs_its_modules():

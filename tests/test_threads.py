@@ -88,3 +88,73 @@ def test_session_takes_idle_cores_unless_threads_num_is_set(monkeypatch):
     one = Session(lm, settings(threads_num=1))
     one.prefill(list(range(5, 40)))
     assert one.threads == 1 and torch.get_num_threads() == 1
+
+
+def test_an_answer_gives_up_a_core_another_job_takes(monkeypatch):
+    """threads_num 0: the idle cores are counted again every RETHREAD_TOKENS tokens of an
+    answer, so a job that starts mid-answer takes a thread away (its spinning thread would
+    share a core with the step's own), and a count set by the user stays."""
+    from ktlong import engine
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 Numba threads")  # the point is 1 vs 2
+    lm = load_model(hf_model("llama", qk_scale=4.0), device="CPU", dtype="float32")
+    idle = [2.0]
+    monkeypatch.setattr(kernels, "auto_threads", threads.auto_threads)  # conftest pins it
+    monkeypatch.setattr(threads, "idle_cores", lambda interval=0.1: idle[0])
+    monkeypatch.setattr(threads, "physical_cores", lambda: 2)
+    for n, want in ((0, [2] * (engine.RETHREAD_TOKENS - 1) + [1] * 5), (2, [2] * 20)):
+        idle[0] = 2.0
+        s = Session(lm, settings(threads_num=n))
+        s.prefill(list(range(5, 40)))
+        seen = []
+        for _ in s.generate(Sampling(max_new_tokens=len(want), temperature=0.0)):
+            seen.append(numba.get_num_threads())
+            idle[0] = 1.0  # another job starts after the first token
+        assert seen == want and s.threads == want[-1]
+
+
+_SPIN_PROBE = """
+import os, sys, time
+import numpy as np
+if sys.argv[1] == "torch first":  # the kernels' OpenMP calls then run on torch's runtime
+    import torch  # noqa: F401
+from numba import njit, prange
+from ktlong import kernels
+@njit(parallel=True)
+def region(a):
+    for i in prange(a.shape[0]):
+        a[i] += 1
+a = np.zeros(2)
+kernels.configure_threads(2)
+region(a)
+cpu, wall = time.process_time(), time.perf_counter()
+for _ in range(300):
+    region(a)
+    t = time.perf_counter()
+    while time.perf_counter() - t < 50e-6:  # the caller's own work between two regions
+        pass
+print((time.process_time() - cpu) / (time.perf_counter() - wall))
+"""
+
+
+@pytest.mark.parametrize("order", ["torch first", "kernels first"])
+@pytest.mark.parametrize("user_spin, spins", [(None, True), ("0", False)])
+def test_kernel_threads_spin_between_regions_unless_told_not_to(order, user_spin, spins):
+    """With ktlong's spin count, the second thread stays awake through a 50 us gap between two
+    parallel regions (the process uses ~2 CPUs), whichever OpenMP runtime loads first (torch's
+    or Numba's own); with GOMP_SPINCOUNT=0 set by the user it sleeps (~1 CPU: the caller's own
+    loop)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env["NUMBA_NUM_THREADS"] = "2"  # two threads even on a one-core machine
+    if user_spin is not None:
+        env["GOMP_SPINCOUNT"] = user_spin
+    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE, order], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    cpus = float(out.stdout.split()[-1])
+    assert (cpus > 1.5) if spins else (cpus < 1.3), cpus
