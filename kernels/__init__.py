@@ -22,7 +22,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-SPIN_COUNT = "30000"  # libgomp's spins before a thread sleeps (~0.3 ms by its own estimate)
+from ktlong import SPIN_COUNT  # noqa: E402  (importing ktlong already set both below)
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 

@@ -168,8 +168,12 @@ class Decoder:
         self.lm, self.layers, self.norm, self.head = lm, layers, norm, head
         self.body = lm.model.model
         self.softcap = getattr(lm.model.config, "final_logit_softcapping", None)
+        kinds = getattr(self.body.rotary_emb, "rope_type", "default")
+        kinds = set(kinds.values()) if isinstance(kinds, dict) else {kinds}
+        self._rope_rows = 1 if kinds & _LENGTH_ROPE else ROPE_ROWS
         self._rope_at = -1  # first position of the tables in _rope
-        self._rope: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: cos, sin [ROPE_ROWS, d]
+        self._rope: list[tuple[np.ndarray, np.ndarray]] = []  # per table: cos, sin [rows, d]
+        self.rope_of: list[int] = []  # layer -> its table in _rope (Gemma 3: one per layer type)
 
     def embed(self, token: int) -> Vec:
         """The token's embedding row [hidden] float32: straight from a quantised table's bytes,
@@ -186,23 +190,23 @@ class Decoder:
         return np.array(h_t.reshape(-1).float().numpy(), np.float32)
 
     def rope(self, pos: int) -> list[tuple[Vec, Vec]]:
-        """Each layer's RoPE cos, sin [d] at `pos`, from the model's rotary module, which is
-        asked for ROPE_ROWS positions at a time (its per-call cost exceeds a layer's on a small
-        model)."""
+        """Each table's RoPE cos, sin [d] at `pos` (layer i's is `rope_of[i]`), from the model's
+        rotary module, which is asked for ROPE_ROWS positions at a time (its per-call cost
+        exceeds a layer's on a small model)."""
         from ktlong.engine import position_embeddings
 
-        kinds = getattr(self.body.rotary_emb, "rope_type", "default")
-        kinds = set(kinds.values()) if isinstance(kinds, dict) else {kinds}
-        rows = 1 if kinds & _LENGTH_ROPE else ROPE_ROWS
-        r = pos % rows
+        r = pos % self._rope_rows
         if self._rope_at != pos - r:
             self._rope_at = pos - r
             probe = torch.zeros((1, 1, 1), dtype=self.lm.model.dtype)  # the tables' dtype
-            ids = torch.arange(pos - r, pos - r + rows)[None]
-            tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # one per layer type
-            self._rope = [tables.setdefault(id(cs), (cs[0][0].float().numpy(),
-                                                     cs[1][0].float().numpy()))
-                          for cs in position_embeddings(self.body, probe, ids)]
+            ids = torch.arange(pos - r, pos - r + self._rope_rows)[None]
+            index: dict[int, int] = {}  # id of a (cos, sin) pair -> its table
+            self._rope, self.rope_of = [], []
+            for cs in position_embeddings(self.body, probe, ids):
+                if id(cs) not in index:
+                    index[id(cs)] = len(self._rope)
+                    self._rope.append((cs[0][0].float().numpy(), cs[1][0].float().numpy()))
+                self.rope_of.append(index[id(cs)])
         return [(c[r], s[r]) for c, s in self._rope]
 
     def step(self, token: int, pos: int, router: Any, store: Any) -> torch.Tensor:
@@ -210,7 +214,7 @@ class Decoder:
         x = np.empty_like(h)
         rope = self.rope(pos)
         for p in self.layers:
-            cos, sin = rope[p.index]
+            cos, sin = rope[self.rope_of[p.index]]
             p.attn_norm(h, x)
             q = p.q(x).reshape(p.heads, p.head_dim)
             k = p.k(x).reshape(p.kv_heads, p.head_dim)

@@ -119,11 +119,11 @@ def test_decoder_rope_and_embedding_equal_the_modules(kind, tmp_path):
     for pos in (0, 1, decoder.ROPE_ROWS - 1, decoder.ROPE_ROWS, 3 * decoder.ROPE_ROWS + 7, 5):
         want = position_embeddings(body, probe, torch.tensor([[pos]]))
         got = dec.rope(pos)
-        for (c, s), (wc, ws) in zip(got, want, strict=True):
+        for layer, (wc, ws) in enumerate(want):
+            c, s = got[dec.rope_of[layer]]
             np.testing.assert_array_equal(c, wc.reshape(-1).numpy())
             np.testing.assert_array_equal(s, ws.reshape(-1).numpy())
-    tables = {id(c.base) for c, _ in dec.rope(9)}
-    assert len(tables) == (2 if kind == "gemma3" else 1)
+    assert len(dec.rope(9)) == (2 if kind == "gemma3" else 1)
     for token in (0, 7, lm.spec.vocab_size - 1):
         want = body.embed_tokens(torch.tensor([[token]])).reshape(-1).numpy()
         np.testing.assert_array_equal(dec.embed(token), want)
