@@ -663,17 +663,14 @@ def _decode_row(w, qtype, c0, c1, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _dequant(w, qtype, rows, c0, c1, out):
-    # rows [R] int64 row ids -> out [R, c1 - c0] f32 (or uint16 bf16 bits)
+def _dequant(w, qtype, rows, c0, c1, out, serial):
+    # rows [R] int64 row ids -> out [R, c1 - c0] f32 (or uint16 bf16 bits). `serial`: all on the
+    # calling thread (a decode step's embedding row: no parallel region)
+    if serial:
+        for i in range(rows.shape[0]):
+            _decode_row(w[rows[i]], qtype, c0, c1, out[i])
+        return out
     for i in prange(rows.shape[0]):
-        _decode_row(w[rows[i]], qtype, c0, c1, out[i])
-    return out
-
-
-@njit(nogil=True, cache=True)
-def _dequant_serial(w, qtype, rows, c0, c1, out):
-    # as _dequant, on the calling thread (a decode step's embedding row)
-    for i in range(rows.shape[0]):
         _decode_row(w[rows[i]], qtype, c0, c1, out[i])
     return out
 
@@ -736,7 +733,7 @@ def dequant(w: np.ndarray, qtype: int, k: int, r0: int, r1: int, c0: int = 0,
             raise ValueError(f"out must be a C-contiguous {np.dtype(dtype)} buffer of at least "
                              f"{shape[0] * shape[1]} elements")
         out = out.reshape(-1)[: shape[0] * shape[1]].reshape(shape)
-    return _dequant(w, qtype, np.arange(r0, r1, dtype=np.int64), c0, c1, out)
+    return _dequant(w, qtype, np.arange(r0, r1, dtype=np.int64), c0, c1, out, False)
 
 
 def dequant_rows(w: np.ndarray, qtype: int, k: int, ids: np.ndarray) -> np.ndarray:
@@ -746,10 +743,10 @@ def dequant_rows(w: np.ndarray, qtype: int, k: int, ids: np.ndarray) -> np.ndarr
     if ids.size and (ids.min() < 0 or ids.max() >= w.shape[0]):
         raise ValueError("row id out of range")
     out = np.empty((ids.shape[0], k), F32)
-    if ids.shape[0] * w.shape[1] < SERIAL_BYTES:
-        return _dequant_serial(w, qtype, ids, 0, k, out)
-    use_threads()
-    return _dequant(w, qtype, ids, 0, k, out)
+    serial = ids.shape[0] * w.shape[1] < SERIAL_BYTES
+    if not serial:
+        use_threads()
+    return _dequant(w, qtype, ids, 0, k, out, serial)
 
 
 def qgemv_ref(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:

@@ -126,3 +126,16 @@ def test_bench_e2e_cli_kv_options(monkeypatch) -> None:
         r = runner.invoke(app, ["bench", "e2e", "--contexts", "1K", *bad])
         assert r.exit_code == 2 and r.output.count("\n") == 1 and bad[1] in r.output
     assert len(calls) == 2
+
+
+def test_bench_e2e_repeats_keep_every_run() -> None:
+    """--repeats: the row's figures are medians over the repeats, and its runs are every
+    repeat's (a repeat's own runs alone would hide the spread the median was taken over)."""
+    rows = [dict(runtime="ktlong-default", prefill_s=1.0, prefill_tok_s=r, decode_s=1.0 / r,
+                 decode_tok_s=r, peak_rss_bytes=1, baseline_rss_bytes=0,
+                 decode_tok_s_runs=[r - 1, r, r + 1], windows=[[63, 63 / r]] * 3)
+            for r in (30.0, 20.0, 25.0)]
+    row = e2e._median_row(rows)
+    assert row["decode_tok_s"] == 25.0 and row["prefill_tok_s"] == 25.0 and row["repeats"] == 3
+    assert sorted(row["decode_tok_s_runs"]) == [19, 20, 21, 24, 25, 26, 29, 30, 31]
+    assert len(row["windows"]) == 9

@@ -290,6 +290,8 @@ def _median_row(rows: list[dict]) -> dict:
                 "baseline_rss_bytes"):
         out[key] = statistics.median(r[key] for r in rows)
     out["repeats"] = len(rows)
+    out["decode_tok_s_runs"] = [x for r in rows for x in r["decode_tok_s_runs"]]  # every repeat's
+    out["windows"] = [w for r in rows for w in r["windows"]]
     return out
 
 
