@@ -4,12 +4,12 @@ step (scores, top-k and attention in one call), query votes; sparse prefill atte
 GEMV over 16-bit and GGUF-quantised weights.
 
 Imported as `ktlong.kernels`. Importing it (before any kernel compiles):
-- sets OMP_WAIT_POLICY=PASSIVE (unless set) and picks Numba's `omp` threading layer: spinning
-  OpenMP threads collapse throughput on a busy machine, and `workqueue` aborts when two Python
-  threads launch kernels at once (falls back to tbb, then workqueue, if omp is missing);
-- sets GOMP_SPINCOUNT (unless set): an idle OpenMP thread spins ~0.3 ms before it sleeps. A
-  decode step starts a parallel region every few dozen microseconds, and waking a sleeping thread
-  costs ~45 us on a VM; the spin is too short to take much from other work on a busy machine;
+- (through `ktlong`, unless set) sets OMP_WAIT_POLICY=PASSIVE: spinning OpenMP threads collapse
+  throughput on a busy machine; and GOMP_SPINCOUNT: an idle OpenMP thread spins ~0.3 ms before
+  it sleeps. A decode step starts a parallel region every few dozen microseconds, and waking a
+  sleeping thread costs ~45 us on a VM; the spin is too short to take much from other work;
+- picks Numba's `omp` threading layer: `workqueue` aborts when two Python threads launch kernels
+  at once (falls back to tbb, then workqueue, if omp is missing);
 - points Numba's on-disk cache at `<KTLONG_HOME or ~/.ktlong>/numba-cache/<hash of every source
   file here>` (or `$NUMBA_CACHE_DIR/<hash>`), because Numba keys a cached kernel on its own file
   only and would keep stale code after a change in a helper module.
@@ -22,12 +22,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ktlong import SPIN_COUNT  # noqa: E402  (importing ktlong already set both below)
+import numba
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
-
-import numba  # noqa: E402
+import ktlong  # noqa: F401  (already imported, and with it OMP_WAIT_POLICY, GOMP_SPINCOUNT set)
 
 _HERE = Path(__file__).resolve().parent
 

@@ -7,7 +7,21 @@ import os as _os
 # every op (DESIGN.md facts); but first they spin ~0.3 ms, the gaps between a decode step's
 # parallel regions, where waking a sleeping thread would cost ~45 us each (ktlong/kernels).
 SPIN_COUNT = "30000"  # libgomp's spins before a thread sleeps (~0.3 ms by its own estimate)
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-_os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+OMP_SET = "KTLONG_OMP_SET"  # names of the settings ktlong set, not the user (children inherit it)
+PEER = "KTLONG_PEER"  # "1": a benchmark's peer runtime (llama.cpp) runs with the user's settings
+
+
+def _omp_defaults() -> None:
+    if _os.environ.get(PEER) == "1":
+        return
+    set_here = [k for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k not in _os.environ]
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    _os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    if set_here:
+        ours = {k for k in _os.environ.get(OMP_SET, "").split(",") if k}
+        _os.environ[OMP_SET] = ",".join(sorted(ours | set(set_here)))
+
+
+_omp_defaults()
 
 __version__ = "0.1.0"

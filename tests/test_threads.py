@@ -8,6 +8,7 @@ import pytest
 import torch
 from ktlong.kernels import threads
 
+import ktlong
 from ktlong import kernels
 from ktlong.engine import Sampling, Session
 from ktlong.model import load_model
@@ -120,6 +121,7 @@ import numpy as np
 if sys.argv[1] == "torch first":  # the kernels' OpenMP calls then run on torch's runtime
     import torch  # noqa: F401
 from numba import njit, prange
+import ktlong
 from ktlong import kernels
 @njit(parallel=True)
 def region(a):
@@ -158,3 +160,46 @@ def test_kernel_threads_spin_between_regions_unless_told_not_to(order, user_spin
     assert out.returncode == 0, out.stderr
     cpus = float(out.stdout.split()[-1])
     assert (cpus > 1.5) if spins else (cpus < 1.3), cpus
+
+
+_ENV_PROBE = """
+import json, os, sys
+import ktlong.kernels  # noqa: F401  (as a worker would: ktlong's settings, unless a peer's)
+from ktlong.bench import peer_env
+names = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+if sys.argv[1] == "child":
+    print(json.dumps({k: os.environ.get(k) for k in names}))
+else:
+    import subprocess
+    env = peer_env() if sys.argv[1] == "peer" else None
+    out = subprocess.run([sys.executable, __file__, "child"], env=env, capture_output=True,
+                         text=True, check=True)
+    print(out.stdout)
+"""
+
+
+@pytest.mark.parametrize("user", [{}, {"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}])
+def test_a_peer_runtime_runs_with_the_users_openmp_settings(tmp_path, user):
+    """A benchmark's peer (llama.cpp) worker sees the user's OpenMP settings, not the ones ktlong
+    sets for its kernels (a passive wait policy halved llama.cpp's speed on two threads), even
+    though the worker imports ktlong; a ktlong worker keeps them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KTLONG_OMP_SET", "KTLONG_PEER")}
+    env.update(user)
+    probe = tmp_path / "probe.py"
+    probe.write_text(_ENV_PROBE)
+
+    def child_env(kind):
+        out = subprocess.run([sys.executable, str(probe), kind], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    assert child_env("peer") == {k: user.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": ktlong.SPIN_COUNT}
+    assert child_env("ktlong") == {**ours, **user}

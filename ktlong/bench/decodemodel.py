@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ktlong.bench import peer_env
+
 FILL_TOKENS = 16384  # tokens per layer filled at a time
 QUESTION = 32  # tokens of the question prefilled before each decode run
 PEERS = ("llamacpp-fa", "llamacpp-q8kv", "llamacpp-nofa")  # llama.cpp: flash attention with
@@ -205,7 +207,8 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
                     str(path), kv_type, tier, n, steps, runs, threads, cache_dir, profile]))
         for peer in peers:
             log(f"{peer}: {n:,} tokens of synthetic KV ...")
-            rows.append(_spawn(peer, ["llamacpp", str(path), peer, n, steps, runs, threads]))
+            rows.append(_spawn(peer, ["llamacpp", str(path), peer, n, steps, runs, threads],
+                               peer_env()))
     for r in rows:  # speed over the first row's at the same context
         base = next(b for b in rows if b["context"] == r["context"])
         r["vs_first_type"] = r["tok_s"] / base["tok_s"]
@@ -214,10 +217,10 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
             "runs": runs, "rows": rows}
 
 
-def _spawn(name: str, args: list[Any]) -> dict[str, Any]:
+def _spawn(name: str, args: list[Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     """One worker in a fresh process (its memory figures are its own): its JSON row."""
     proc = subprocess.run([sys.executable, "-m", "ktlong.bench.decodemodel", json.dumps(args)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"the {name} worker failed: {tail}")

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ktlong.bench import peer_env
 from ktlong.bench.rss import peak_rss
 
 # A 1B-class layer (TinyLlama's width, head_dim 128, GQA 16/4): per layer, weights and the KV a
@@ -423,6 +424,7 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                      str(threads if name.startswith("ktlong") else peer_threads), str(decode_runs),
                      files["tiny"], kv_type, kv_tier],
                     capture_output=True, text=True,
+                    env=None if name.startswith("ktlong") else peer_env(),  # peers: the user's
                 )
                 row = _parse(proc, name, n)
                 if log:
