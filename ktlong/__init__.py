@@ -14,9 +14,11 @@ PEER = "KTLONG_PEER"  # "1": a benchmark's peer runtime (llama.cpp) runs with th
 def _omp_defaults() -> None:
     if _os.environ.get(PEER) == "1":
         return
-    set_here = [k for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k not in _os.environ]
-    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    _os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    set_here = []
+    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", SPIN_COUNT)):
+        if name not in _os.environ:
+            _os.environ[name] = value
+            set_here.append(name)
     if set_here:
         ours = {k for k in _os.environ.get(OMP_SET, "").split(",") if k}
         _os.environ[OMP_SET] = ",".join(sorted(ours | set(set_here)))
