@@ -102,10 +102,13 @@ try:
         attend_blocks,
         attend_blocks_ref,
         attend_layer,
+        attend_rows,
+        attend_rows_ref,
         layer_kv,
         merge_partials,
         merge_partials_ref,
         rope_turns,
+        rows_kv,
         turned_ref,
     )
     from .gemv import gemv, gemv_ref  # noqa: E402
@@ -116,8 +119,6 @@ try:
         rmsnorm_ref,
         rope,
         rope_ref,
-        window_attend,
-        window_attend_ref,
     )
     from .qlinear import dequant, dequant_rows, qgemv, qgemv_ref  # noqa: E402
     from .step import select_attend, select_attend_layer, select_attend_ref  # noqa: E402
@@ -132,13 +133,13 @@ KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
     "KV_KINDS", "Q8_EXTRA", "AnchorView", "LayerKV", "Turns", "anchor_view", "anchors_to_f64",
-    "attend_blocks", "attend_blocks_ref", "attend_layer", "auto_threads", "block_lse", "cache_dir",
+    "attend_blocks", "attend_blocks_ref", "attend_layer", "attend_rows", "attend_rows_ref",
+    "auto_threads", "block_lse", "cache_dir",
     "cache_is_cold", "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant",
     "dequant_rows", "f32_to_kv", "gated", "gated_ref", "gemv", "gemv_ref", "kv_to_f64", "layer_kv",
     "merge_partials", "merge_partials_ref", "prefill_index", "prefill_sparse", "put_token",
     "q8_encode", "qgemv", "qgemv_ref", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref",
-    "rope", "rope_ref", "rope_turns", "turned_ref", "score_blocks", "score_blocks_ref",
+    "rope", "rope_ref", "rope_turns", "rows_kv", "turned_ref", "score_blocks", "score_blocks_ref",
     "select_attend", "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash",
-    "topk_blocks", "topk_blocks_ref", "turn_blocks", "turned_back_ref", "window_attend",
-    "window_attend_ref",
+    "topk_blocks", "topk_blocks_ref", "turn_blocks", "turned_back_ref",
 ]

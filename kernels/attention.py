@@ -717,6 +717,45 @@ def attend_layer(kv: LayerKV, q, blocks, n_tokens, scale, shifts=None, turns: Tu
                    turns.tab, turns.rot)
 
 
+def rows_kv(k: np.ndarray, v: np.ndarray) -> LayerKV:
+    """float32 row buffers k, v [Hkv, cap, d] (a sliding window's) as a layer of one-row blocks
+    for `attend_rows`. The views share the buffers' memory: rows written later are read."""
+    hkv, cap, d = k.shape
+    empty = np.zeros((hkv, 0, 1, d), F32)
+    return layer_kv(empty, empty, k.reshape(hkv, cap, 1, d), v.reshape(hkv, cap, 1, d), 0, 0)
+
+
+def rows_per_item() -> int:
+    """Fewest rows an item of `attend_rows` takes: below that an item's fixed cost outweighs
+    what another thread saves (ad hoc, Gemma 3 270M's 512-row window, 2 threads: 2 items
+    37 us, 4 items 41, 8 items 49)."""
+    return 256
+
+
+def attend_rows(kv: LayerKV, q, r0: int, r1: int, scale: float) -> np.ndarray:
+    """Exact attention of one token q [Hq, d] over rows [r0, r1) of a `rows_kv` layer ->
+    out [Hq, d] float32. The rows are split over the session's threads."""
+    if not 0 <= r0 < r1 <= kv.k_tail.shape[1]:
+        raise ValueError(f"rows [{r0}, {r1}) are outside the buffer's {kv.k_tail.shape[1]}")
+    ids = readonly(np.arange(r0, r1, dtype=np.int32)[None])  # [1, n] one-row blocks
+    n_split = max(1, min(-(-use_threads() // kv.hkv), (r1 - r0) // rows_per_item()))
+    return _attend(kv.query(q), kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, 0, 0, ids,
+                   _NO_SHIFTS, r1, r1, n_split, F32(scale * LOG2E), kv.perm, _NO_TURNS.tab,
+                   _NO_TURNS.rot)[0]
+
+
+def attend_rows_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """float64 reference of `attend_rows`: q [Hq, d], k, v [Hkv, n, d] (the rows read) -> [Hq, d];
+    query head j reads KV head j // (Hq / Hkv)."""
+    g = q.shape[0] // k.shape[0]
+    kk = np.repeat(np.asarray(k, np.float64), g, 0)  # [Hq, n, d]
+    vv = np.repeat(np.asarray(v, np.float64), g, 0)
+    s = np.einsum("hd,hnd->hn", np.asarray(q, np.float64), kk) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hn,hnd->hd", p, vv)
+
+
 class Turns(NamedTuple):
     """RoPE turns of a query, for reading blocks at other positions than their own.
 
@@ -761,6 +800,7 @@ def rope_turns(inv_freq: np.ndarray, block_size: int, reach: int, d: int, kv_kin
 
 
 _NO_TURNS = Turns(np.zeros((1, 2, 1), F32), np.zeros(1, np.int32))
+_NO_SHIFTS = readonly(np.zeros((1, 0), np.int32))  # [S, 0]: blocks read where they are
 
 
 def checked_shifts(shifts, turns: Turns | None, shape: tuple, kv: LayerKV):

@@ -1,6 +1,5 @@
 """The small per-layer operations of a one-token decode step: RMS norm, rotary embedding, the
-gated MLP's activation and attention over a sliding window's float32 rows, on float32 vectors,
-each beside a NumPy reference.
+gated MLP's activation, on float32 vectors, each beside a NumPy reference.
 
 They are tiny (a few thousand floats): what they save is the per-call cost of a dozen torch ops,
 not arithmetic. Sums of squares run in float32 like torch's; the activations follow torch's
@@ -89,57 +88,3 @@ def gated_ref(g: np.ndarray, u: np.ndarray, gelu: bool) -> np.ndarray:
     else:
         a = g / (1 + np.exp(-g))
     return a * u
-
-
-@njit(fastmath=FASTMATH, cache=True)
-def window_attend(q, kb, vb, r0, r1, scale, out):
-    """Attention of one token over rows [r0, r1) of a sliding-window buffer: q [Hq, d], kb, vb
-    [Hkv, cap, d] float32 -> out [Hq, d] float32. Query head j reads KV head j // (Hq / Hkv)."""
-    hq, d = q.shape
-    hkv = kb.shape[0]
-    g = hq // hkv
-    n = r1 - r0
-    s = np.empty((g, n), np.float32)
-    for h in range(hkv):
-        for r in range(n):  # scores: each key row read once for the group's g queries
-            kr = kb[h, r0 + r]
-            for j in range(g):
-                qj = q[h * g + j]
-                a = F32(0)
-                for i in range(d):
-                    a += qj[i] * kr[i]
-                s[j, r] = a * F32(scale)
-        for j in range(g):
-            m = s[j, 0]
-            for r in range(1, n):
-                m = max(m, s[j, r])
-            den = F32(0)
-            for r in range(n):
-                e = np.exp(s[j, r] - m)
-                s[j, r] = e
-                den += e
-            inv = F32(1) / den
-            for r in range(n):
-                s[j, r] *= inv
-            o = out[h * g + j]
-            for i in range(d):
-                o[i] = F32(0)
-        for r in range(n):  # P.V: each value row read once
-            vr = vb[h, r0 + r]
-            for j in range(g):
-                p = s[j, r]
-                o = out[h * g + j]
-                for i in range(d):
-                    o[i] += p * vr[i]
-    return out
-
-
-def window_attend_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """q [Hq, d], k, v [Hkv, n, d] -> [Hq, d], in float64."""
-    g = q.shape[0] // k.shape[0]
-    kk = np.repeat(np.asarray(k, np.float64), g, 0)  # [Hq, n, d]
-    vv = np.repeat(np.asarray(v, np.float64), g, 0)
-    s = np.einsum("hd,hnd->hn", np.asarray(q, np.float64), kk) * scale
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("hn,hnd->hd", p, vv)

@@ -39,6 +39,7 @@ class SlidingKV:
         self.n = {layer: 0 for layer in layers}  # rows kept
         self.first = {layer: 0 for layer in layers}  # position of each layer's first row
         self.pin_at: int | None = None
+        self._views: dict[int, tuple] = {}  # layer -> (kb, vb, k, v, kernel view): see _kernel_view
 
     def __contains__(self, layer: int) -> bool:
         return layer in self.kb
@@ -54,9 +55,10 @@ class SlidingKV:
     def nbytes(self) -> int:
         return sum(t.numel() * 4 for d in (self.kb, self.vb) for t in d.values())
 
-    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Put L new rows after the kept ones: compact (or grow) the buffer when it is full."""
-        off, n, L = self.off[layer], self.n[layer], k.shape[1]
+    def _room(self, layer: int, L: int) -> int:
+        """The buffer row where L new rows go after the kept ones: the buffer is compacted (or
+        grown) first when full."""
+        off, n = self.off[layer], self.n[layer]
         kb, vb = self.kb[layer], self.vb[layer]
         if off + n + L > kb.shape[1]:
             cap = max(2 * (n + L), n + L + self.window)
@@ -68,10 +70,25 @@ class SlidingKV:
             nk[:, :n] = kb[:, off:off + n].clone() if nk is kb else kb[:, off:off + n]
             nv[:, :n] = vb[:, off:off + n].clone() if nv is vb else vb[:, off:off + n]
             self.kb[layer], self.vb[layer], self.off[layer], off = nk, nv, 0, 0
-            kb, vb = nk, nv
-        kb[:, off + n:off + n + L] = k
-        vb[:, off + n:off + n + L] = v
-        self.n[layer] = n + L
+        return off + n
+
+    def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put L new rows (k, v [Hkv, L, d]) after the kept ones."""
+        row, L = self._room(layer, k.shape[1]), k.shape[1]
+        self.kb[layer][:, row:row + L] = k
+        self.vb[layer][:, row:row + L] = v
+        self.n[layer] += L
+
+    def _kernel_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, kernels.LayerKV]:
+        """The layer's buffers as NumPy arrays k, v [Hkv, cap, d] and as the attention kernel
+        reads them (one-row blocks), made again only when a buffer is replaced."""
+        kb, vb = self.kb[layer], self.vb[layer]
+        got = self._views.get(layer)
+        if got is None or got[0] is not kb or got[1] is not vb:
+            kn, vn = kb.numpy(), vb.numpy()
+            got = (kb, vb, kn, vn, kernels.rows_kv(kn, vn))
+            self._views[layer] = got
+        return got[2], got[3], got[4]
 
     def _trim(self, layer: int, end: int) -> None:
         """Drop the rows no query after position `end` reads (nor a cut back to the pin)."""
@@ -116,14 +133,16 @@ class SlidingKV:
     def attend_one(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                    scale: float) -> np.ndarray:
         """One token: q [Hq, d], k, v [Hkv, d] float32 -> out [Hq, d] float32 over the last
-        `window` rows (its own included)."""
+        `window` rows (its own included), by the decode attention kernel on the session's
+        threads."""
         start = self.length(layer)
-        self._append(layer, torch.from_numpy(k)[:, None], torch.from_numpy(v)[:, None])
-        end = self.off[layer] + self.n[layer]  # buffer rows [end - w, end): the window
-        w = min(self.window, self.n[layer])
-        out = np.empty_like(q)
-        kernels.window_attend(q, self.kb[layer].numpy(), self.vb[layer].numpy(), end - w, end,
-                              scale, out)
+        row = self._room(layer, 1)
+        kn, vn, kv = self._kernel_view(layer)
+        kn[:, row] = k
+        vn[:, row] = v
+        self.n[layer] += 1
+        end = row + 1  # buffer rows [end - w, end): the window
+        out = kernels.attend_rows(kv, q, end - min(self.window, self.n[layer]), end, scale)
         self._trim(layer, start + 1)
         return out
 

@@ -261,7 +261,7 @@ def _layer_ops() -> None:
     kernels.rope(x2, w, w)
     kernels.gated(x, w, False)
     rows = np.ones((1, 4, 8), np.float32)  # [Hkv, cap, d]
-    kernels.window_attend(x2, rows, rows, 1, 3, 0.5, np.empty_like(x2))
+    kernels.attend_rows(kernels.rows_kv(rows, rows), x2, 1, 3, 0.5)
 
 
 # --- attention -----------------------------------------------------------------------------------

@@ -56,8 +56,18 @@ def test_window_attention_matches_its_reference(hq, hkv, rows):
     vb = rng.standard_normal(kb.shape).astype(np.float32)
     kb[:, :r0] = kb[:, r0 + rows:] = 50.0  # would dominate the softmax if read
     q = rng.standard_normal((hq, d)).astype(np.float32)
-    out = kernels.window_attend(q, kb, vb, r0, r0 + rows, 0.25, np.full_like(q, np.nan))
-    ref = kernels.window_attend_ref(q, kb[:, r0:r0 + rows], vb[:, r0:r0 + rows], 0.25)
+    kv = kernels.rows_kv(kb, vb)
+    try:
+        for threads in (1, 2):  # rows split over the threads, or not
+            kernels.configure_threads(threads)
+            out = kernels.attend_rows(kv, q, r0, r0 + rows, 0.25)
+            ref = kernels.attend_rows_ref(q, kb[:, r0:r0 + rows], vb[:, r0:r0 + rows], 0.25)
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.configure_threads(0)
+    kb[:, r0 + rows - 1] = 50.0  # a row written after the view was made is read
+    out = kernels.attend_rows(kv, q, r0, r0 + rows, 0.25)
+    ref = kernels.attend_rows_ref(q, kb[:, r0:r0 + rows], vb[:, r0:r0 + rows], 0.25)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
