@@ -35,6 +35,28 @@ def rmsnorm(x, w, eps, plus_one, out):
     return out
 
 
+@njit(cache=True)
+def qk_rope(q, k, qw, kw, q_eps, k_eps, plus_one, cos, sin):
+    """A decode step's queries and keys q [Hq, d], k [Hkv, d] in place: each head's RMS norm
+    (QK norm: weights qw, kw [d]; none where they are empty), then RoPE with cos, sin [d]."""
+    if qw.shape[0]:
+        rmsnorm(q, qw, q_eps, plus_one, q)
+        rmsnorm(k, kw, k_eps, plus_one, k)
+    rope(q, cos, sin)
+    rope(k, cos, sin)
+
+
+@njit(cache=True)
+def add_norm(h, y, yw, y_eps, w, eps, plus_one, out):
+    """The residual stream h [n] += y [n] (first normed by yw [n] unless it is empty: Gemma's
+    norms after attention and after the MLP), then out [n] = h normed by w (the next norm)."""
+    if yw.shape[0]:
+        rmsnorm(y, yw, y_eps, plus_one, y)
+    for i in range(h.shape[0]):
+        h[i] += y[i]
+    rmsnorm(h, w, eps, plus_one, out)
+
+
 def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float, plus_one: bool) -> np.ndarray:
     x = np.asarray(x, np.float64)
     r = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)

@@ -2,6 +2,7 @@
 
 - `qgemv(w, qtype, x, out=None)`: y = W x for one input vector (decode), parallel over output
   rows (into `out` when given). Each row's blocks are dequantised in registers and never stored.
+  `qgemv2(w, w2, qtype, x)`: two matrices of one input in one call.
 - `dequant(w, qtype, k, r0, r1, c0, c1)`: a float32 tile W[r0:r1, c0:c1] (prefill multiplies tiles
   with torch) and `dequant_rows(w, qtype, k, ids)` (embedding lookups).
 
@@ -553,17 +554,26 @@ def _item(w, qtype, r0, r1, codes, tf, ti, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _qgemv_vnni(w, qtype, x, out, rows_per_item, serial):
-    # w [N, row_bytes] u8; x [K] f32 (K a multiple of 64, or of 256 for K-quants); out [N] f32;
-    # rows_per_item a multiple of 4. `serial`: all on the calling thread (no parallel region)
-    n = w.shape[0]
+def _qgemv_vnni(w, w2, qtype, x, out, out2, rows_per_item, serial):
+    # w [N, row_bytes], w2 [N2, row_bytes] u8 (N2 may be 0); x [K] f32 (K a multiple of 64, or
+    # of 256 for K-quants); out [N], out2 [N2] f32; rows_per_item a multiple of 4. `serial`: all
+    # on the calling thread (no parallel region). Two matrices of one input share x's rounding
+    # and one parallel region (q and k, gate and up of a decode step).
+    n, n2 = w.shape[0], w2.shape[0]
     codes, tf, ti = _x_tables(x, qtype)
     if serial:
         _item(w, qtype, 0, n, codes, tf, ti, out)
+        if n2:
+            _item(w2, qtype, 0, n2, codes, tf, ti, out2)
         return
-    for it in prange((n + rows_per_item - 1) // rows_per_item):
-        r0 = it * rows_per_item
-        _item(w, qtype, r0, min(n, r0 + rows_per_item), codes, tf, ti, out)
+    m = (n + rows_per_item - 1) // rows_per_item
+    for it in prange(m + (n2 + rows_per_item - 1) // rows_per_item):
+        if it < m:
+            r0 = it * rows_per_item
+            _item(w, qtype, r0, min(n, r0 + rows_per_item), codes, tf, ti, out)
+        else:
+            r0 = (it - m) * rows_per_item
+            _item(w2, qtype, r0, min(n2, r0 + rows_per_item), codes, tf, ti, out2)
 
 
 def _put(out, j, v):
@@ -688,27 +698,54 @@ def _check(w: np.ndarray, qtype: int, k: int) -> np.ndarray:
     return readonly(w)
 
 
+def _out(out: np.ndarray | None, n: int) -> np.ndarray:
+    if out is None:
+        return np.empty(n, F32)
+    if (not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != (n,)
+            or not out.flags.c_contiguous or not out.flags.writeable):
+        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape ({n},)")
+    return out
+
+
+def _rows_per_item(n: int, threads: int) -> int:
+    """Rows a work item of the VNNI path takes: about 8 items a thread (dynamic schedule), 16
+    to 256 rows each."""
+    return max(16, min(256, n // (8 * threads) // 4 * 4))
+
+
 def qgemv(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """y = W x: w [N, row_bytes] uint8 in `qtype`, x [K] float32 -> y [N] float32. `out`: a
     C-contiguous float32 [N] array to write y into (and return), so that a caller can reuse one."""
     k = x.shape[0]
     w = _check(w, qtype, k)
-    n = w.shape[0]
-    if out is None:
-        out = np.empty(n, F32)
-    elif (not isinstance(out, np.ndarray) or out.dtype != _F32 or out.shape != (n,)
-          or not out.flags.c_contiguous or not out.flags.writeable):
-        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape ({n},)")
+    out = _out(out, w.shape[0])
     threads = use_threads()
     serial = threads == 1 or w.nbytes < SERIAL_BYTES
     if not int8_path(qtype, k):
         out[:] = _qgemv(w, qtype, readonly(x, _F32), serial)
-    elif VNNI:  # work items: about 8 a thread (dynamic schedule), 16 to 256 rows each
-        rows = max(16, min(256, n // (8 * threads) // 4 * 4))
-        _qgemv_vnni(w, qtype, readonly(x, _F32), out, rows, serial)
+    elif VNNI:
+        _qgemv_vnni(w, w[:0], qtype, readonly(x, _F32), out, out[:0],
+                    _rows_per_item(w.shape[0], threads), serial)
     else:
         _qgemv_avx2(w, qtype, readonly(x, _F32), out, serial)
     return out
+
+
+def qgemv2(w: np.ndarray, w2: np.ndarray, qtype: int,
+           x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(W x, W2 x) for two matrices of one type and width: on the VNNI path x is rounded once and
+    both run in one parallel region (a small model's per-call cost is a good part of a GEMV);
+    elsewhere two `qgemv` calls."""
+    k = x.shape[0]
+    w, w2 = _check(w, qtype, k), _check(w2, qtype, k)
+    if not (VNNI and int8_path(qtype, k)):
+        return qgemv(w, qtype, x), qgemv(w2, qtype, x)
+    out, out2 = np.empty(w.shape[0], F32), np.empty(w2.shape[0], F32)
+    threads = use_threads()
+    serial = threads == 1 or w.nbytes + w2.nbytes < SERIAL_BYTES
+    _qgemv_vnni(w, w2, qtype, readonly(x, _F32), out, out2,
+                _rows_per_item(w.shape[0] + w2.shape[0], threads), serial)
+    return out, out2
 
 
 def dequant(w: np.ndarray, qtype: int, k: int, r0: int, r1: int, c0: int = 0,

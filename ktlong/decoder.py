@@ -36,6 +36,7 @@ from ktlong.weights import (
 
 Vec = np.ndarray  # float32 [n]
 Linear = Callable[[Vec], Vec]
+Pair = Callable[[Vec], tuple[Vec, Vec]]  # x -> two linears of x (q and k, gate and up)
 
 # RMS norm classes: whether the weight enters as 1 + w (Gemma) or as it is
 _NORMS = {"LlamaRMSNorm": False, "Qwen2RMSNorm": False, "Qwen3RMSNorm": False,
@@ -60,12 +61,25 @@ def _norm(mod: nn.Module | None) -> Norm | None:
     return Norm(w, float(eps), _NORMS[type(mod).__name__])
 
 
-def _linear(mod: nn.Module) -> Linear | None:
-    """x [in] f32 -> y [out] f32 through ktlong's GEMV on the module's own bytes."""
+def _perm_bias(mod: nn.Module) -> tuple[np.ndarray | None, Vec | None]:
+    """A linear's output row order (a GGUF q or k: transformers' order) and float32 bias."""
     bias = getattr(mod, "bias", None)
     b = None if bias is None else np.ascontiguousarray(bias.detach().float().numpy())
+    perm = mod.perm if isinstance(mod, QuantLinear) else None
+    return (None if perm is None else perm.numpy()), b
+
+
+def _finish(y: Vec, perm: np.ndarray | None, b: Vec | None) -> Vec:
+    if perm is not None:
+        y = y[perm]
+    if b is not None:
+        y += b
+    return y
+
+
+def _linear(mod: nn.Module) -> Linear | None:
+    """x [in] f32 -> y [out] f32 through ktlong's GEMV on the module's own bytes."""
     if isinstance(mod, QuantLinear):
-        perm = None if mod.perm is None else mod.perm.numpy()
         kind = _FLOAT_KINDS.get(mod.qt.name)
         if kind is None:
             raw, qtype = mod.raw, mod.qt.ggml
@@ -78,29 +92,45 @@ def _linear(mod: nn.Module) -> Linear | None:
             def gemv(x: Vec) -> Vec:
                 return kernels.gemv(w, x, kind)
     elif isinstance(mod, HalfLinear):
-        perm, w16, kind16 = None, mod._np, mod.kind
+        w16, kind16 = mod._np, mod.kind
 
         def gemv(x: Vec) -> Vec:
             return kernels.gemv(w16, x, kind16)
     elif type(mod) is nn.Linear and mod.weight.dtype == torch.float32 \
             and mod.weight.device.type == "cpu":
-        perm, w32 = None, mod.weight.detach().numpy()
+        w32 = mod.weight.detach().numpy()
 
         def gemv(x: Vec) -> Vec:
             return kernels.gemv(w32, x, 0)
     else:
         return None
+    perm, b = _perm_bias(mod)
     if perm is None and b is None:
         return gemv
 
     def full(x: Vec) -> Vec:
-        y = gemv(x)
-        if perm is not None:
-            y = y[perm]
-        if b is not None:
-            y += b
-        return y
+        return _finish(gemv(x), perm, b)
     return full
+
+
+def _pair(a: nn.Module, b: nn.Module, fa: Linear, fb: Linear) -> Pair:
+    """x -> (a x, b x) for two linears of one input: one `qgemv2` call where both are quantised
+    in one type, else their two GEMVs."""
+    if not (isinstance(a, QuantLinear) and isinstance(b, QuantLinear)
+            and a.qt.name == b.qt.name and a.qt.name not in _FLOAT_KINDS):
+        def two(x: Vec) -> tuple[Vec, Vec]:
+            return fa(x), fb(x)
+        return two
+    ra, rb, qtype = a.raw, b.raw, a.qt.ggml
+    (pa, ba), (pb, bb) = _perm_bias(a), _perm_bias(b)
+
+    def both(x: Vec) -> tuple[Vec, Vec]:
+        ya, yb = kernels.qgemv2(ra, rb, qtype, x)
+        return _finish(ya, pa, ba), _finish(yb, pb, bb)
+    return both
+
+
+_NO_WEIGHT = np.zeros(0, np.float32)  # a norm the layer does not have (kernels skip it)
 
 
 @dataclass(frozen=True)
@@ -111,16 +141,14 @@ class LayerPlan:
     head_dim: int
     scale: float
     attn_norm: Norm
-    q: Linear
-    k: Linear
+    qk: Pair  # x -> q, k
     v: Linear
     o: Linear
-    q_norm: Norm | None  # QK norm over each head (Qwen3, Gemma 3)
-    k_norm: Norm | None
+    qk_norm: tuple[Vec, Vec, float, float]  # QK norm over each head (Qwen3, Gemma 3): q's and
+    # k's weights [d] (empty: none) and eps, as kernels.qk_rope takes them
     attn_out_norm: Norm | None  # on the attention's output, before the residual (Gemma 3)
     mlp_norm: Norm
-    gate: Linear
-    up: Linear
+    gate_up: Pair  # x -> gate, up
     down: Linear
     gelu: bool
     mlp_out_norm: Norm | None  # on the MLP's output (Gemma 3)
@@ -151,9 +179,17 @@ def _layer(i: int, layer: nn.Module) -> LayerPlan | None:
             return None
     if gemma and None in (extra["attn_out_norm"], extra["mlp_out_norm"]):
         return None
+    norms = [n for n in (parts["attn_norm"], parts["mlp_norm"], *extra.values()) if n is not None]
+    if len({n.plus_one for n in norms}) > 1:  # the fused kernels take one kind
+        return None
+    qn, kn = extra.pop("q_norm"), extra.pop("k_norm")
+    qk_norm = (_NO_WEIGHT, _NO_WEIGHT, 0.0, 0.0) if qn is None or kn is None else \
+        (qn.w, kn.w, qn.eps, kn.eps)
+    qk = _pair(attn.q_proj, attn.k_proj, parts.pop("q"), parts.pop("k"))
+    gate_up = _pair(mlp.gate_proj, mlp.up_proj, parts.pop("gate"), parts.pop("up"))
     return LayerPlan(index=i, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
                      head_dim=attn.head_dim, scale=float(attn.scaling), gelu=mlp.act is _gelu_tanh,
-                     **parts, **extra)
+                     qk=qk, gate_up=gate_up, qk_norm=qk_norm, **parts, **extra)
 
 
 ROPE_ROWS = 256  # positions whose RoPE tables one call of the model's rotary module computes
@@ -211,38 +247,36 @@ class Decoder:
 
     def step(self, token: int, pos: int, router: Any, store: Any) -> torch.Tensor:
         h = self.embed(token)  # [hidden] the residual stream
-        x = np.empty_like(h)
+        x = np.empty_like(h)  # [hidden] h normed: the next GEMVs' input
         rope = self.rope(pos)
-        for p in self.layers:
+        plus_one = self.norm.plus_one
+        self.layers[0].attn_norm(h, x)
+        for i, p in enumerate(self.layers):
             cos, sin = rope[self.rope_of[p.index]]
-            p.attn_norm(h, x)
-            q = p.q(x).reshape(p.heads, p.head_dim)
-            k = p.k(x).reshape(p.kv_heads, p.head_dim)
+            q, k = p.qk(x)
+            q, k = q.reshape(p.heads, p.head_dim), k.reshape(p.kv_heads, p.head_dim)
             v = p.v(x).reshape(p.kv_heads, p.head_dim)
-            if p.q_norm is not None:
-                p.q_norm(q)
-                p.k_norm(k)
-            kernels.rope(q, cos, sin)
-            kernels.rope(k, cos, sin)
+            kernels.qk_rope(q, k, *p.qk_norm, plus_one, cos, sin)
             a = router.attend_one(p.index, q, k, v, p.scale)  # [Hq, d]
             o = p.o(np.ascontiguousarray(a, np.float32).reshape(-1))
-            if p.attn_out_norm is not None:
-                p.attn_out_norm(o)
-            h += o
-            p.mlp_norm(h, x)
-            g = p.gate(x)
-            kernels.gated(g, p.up(x), p.gelu)
-            m = p.down(g)
-            if p.mlp_out_norm is not None:
-                p.mlp_out_norm(m)
-            h += m
+            self._add_norm(h, o, p.attn_out_norm, p.mlp_norm, x)
+            g, u = p.gate_up(x)
+            kernels.gated(g, u, p.gelu)
+            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+            self._add_norm(h, p.down(g), p.mlp_out_norm, nxt, x)
             store.check_resident()
-        logits = self.head(self.norm(h))
+        logits = self.head(x)
         if self.softcap:  # in place: the vector is the vocabulary's size
             logits *= 1.0 / self.softcap
             np.tanh(logits, out=logits)
             logits *= self.softcap
         return torch.from_numpy(logits)[None]
+
+    @staticmethod
+    def _add_norm(h: Vec, y: Vec, y_norm: Norm | None, norm: Norm, out: Vec) -> None:
+        """h += y (normed first by y_norm where there is one), out = norm(h): one kernel call."""
+        yw, y_eps = (_NO_WEIGHT, 0.0) if y_norm is None else (y_norm.w, y_norm.eps)
+        kernels.add_norm(h, y, yw, y_eps, norm.w, norm.eps, norm.plus_one, out)
 
 
 def build(lm: Any) -> Decoder | None:
@@ -256,5 +290,7 @@ def build(lm: Any) -> Decoder | None:
     layers = [_layer(i, layer) for i, layer in enumerate(body.layers)]
     norm, head_fn = _norm(getattr(body, "norm", None)), _linear(head)
     if any(p is None for p in layers) or norm is None or head_fn is None:
+        return None
+    if any(p.attn_norm.plus_one != norm.plus_one for p in layers if p is not None):
         return None
     return Decoder(lm, layers, norm, head_fn)

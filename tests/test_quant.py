@@ -155,6 +155,29 @@ def test_qgemv_on_two_threads_equals_one_thread(qtype, monkeypatch):
     np.testing.assert_allclose(two, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_K"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_qgemv2_gives_each_matrix_what_qgemv_gives(qtype, threads, monkeypatch):
+    """Two matrices of one input in one call (q and k, gate and up): each output row for row as
+    its own qgemv, serial or over two threads, with rows in counts no item size divides."""
+    t = quant.TYPES[qtype]
+    k = 768 if t.block == 256 else 576
+    a = random_blocks(qtype, 301, k, seed=t.ggml)
+    b = random_blocks(qtype, 38, k, seed=t.ggml + 1)
+    x = np.random.default_rng(9).standard_normal(k).astype(np.float32)
+    monkeypatch.setattr(qk, "SERIAL_BYTES", 0)  # parallel however small
+    try:
+        kernels.configure_threads(threads)
+        ya, yb = kernels.qgemv2(a, b, t.ggml, x)
+        want_a, want_b = kernels.qgemv(a, t.ggml, x), kernels.qgemv(b, t.ggml, x)
+    finally:
+        kernels.configure_threads(0)
+    np.testing.assert_array_equal(ya, want_a)
+    np.testing.assert_array_equal(yb, want_b)
+    with pytest.raises(ValueError, match="uint8 rows"):
+        kernels.qgemv2(a, b[:, :-2], t.ggml, x)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_qgemv_without_an_int8_path_takes_the_float_path_into_out(qtype, monkeypatch):
     """Where neither AVX512-VNNI nor AVX2 is there, qgemv runs the float kernel, `out` as well."""

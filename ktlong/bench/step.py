@@ -84,8 +84,9 @@ def measure(model: str, context: int, steps: int, runs: int, profile: str,
     dec = session.decoder
     dec.rope(context)  # the first step's RoPE tables, not timed: a token's time leaves it out too
     dec.layers = [dataclasses.replace(p, **{
-        name: _timed(getattr(p, name), acc, "attention GEMVs" if len(name) == 1 else "MLP GEMVs")
-        for name in ("q", "k", "v", "o", "gate", "up", "down")}) for p in dec.layers]
+        name: _timed(getattr(p, name), acc, "attention GEMVs" if name in ("qk", "v", "o")
+                     else "MLP GEMVs")
+        for name in ("qk", "v", "o", "gate_up", "down")}) for p in dec.layers]
     dec.head = _timed(dec.head, acc, "output head")
     session.router.attend_one = _timed(session.router.attend_one, acc, "attention")
     step = dec.step
