@@ -717,12 +717,14 @@ def attend_layer(kv: LayerKV, q, blocks, n_tokens, scale, shifts=None, turns: Tu
                    turns.tab, turns.rot)
 
 
-def rows_kv(k: np.ndarray, v: np.ndarray) -> LayerKV:
-    """float32 row buffers k, v [Hkv, cap, d] (a sliding window's) as a layer of one-row blocks
-    for `attend_rows`. The views share the buffers' memory: rows written later are read."""
-    hkv, cap, d = k.shape
-    empty = np.zeros((hkv, 0, 1, d), F32)
-    return layer_kv(empty, empty, k.reshape(hkv, cap, 1, d), v.reshape(hkv, cap, 1, d), 0, 0)
+def rows_kv(k: np.ndarray, v: np.ndarray, kv_kind: int = 0) -> LayerKV:
+    """Row buffers k, v [Hkv, cap, d] or [Hkv, cap, 1, d] (a sliding window's: float32, or
+    bf16 / fp16 bits as uint16 for kv_kind 1 / 2) as a layer of one-row blocks for
+    `attend_rows`. The views share the buffers' memory: rows written later are read."""
+    hkv, cap, d = k.shape[:2] + k.shape[-1:]
+    k, v = k.reshape(hkv, cap, 1, d), v.reshape(hkv, cap, 1, d)
+    empty = np.zeros((hkv, 0, 1, d), k.dtype)
+    return layer_kv(empty, empty, k, v, 0, kv_kind)
 
 
 def rows_per_item() -> int:
@@ -739,7 +741,7 @@ def attend_rows(kv: LayerKV, q, r0: int, r1: int, scale: float) -> np.ndarray:
         raise ValueError(f"rows [{r0}, {r1}) are outside the buffer's {kv.k_tail.shape[1]}")
     ids = readonly(np.arange(r0, r1, dtype=np.int32)[None])  # [1, n] one-row blocks
     n_split = max(1, min(-(-use_threads() // kv.hkv), (r1 - r0) // rows_per_item()))
-    return _attend(kv.query(q), kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, 0, 0, ids,
+    return _attend(kv.query(q), kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, 0, ids,
                    _NO_SHIFTS, r1, r1, n_split, F32(scale * LOG2E), kv.perm, _NO_TURNS.tab,
                    _NO_TURNS.rot)[0]
 

@@ -178,7 +178,7 @@ class Session:
         self.window = None  # the sliding-window layers' rows (Gemma 3), outside the store
         if spec.sliding_layers:
             self.window = SlidingKV(spec.sliding_layers, spec.n_kv_heads, spec.head_dim,
-                                    spec.sliding_window)
+                                    spec.sliding_window, settings.kv_type)
             if self.tokens:
                 self.window.load(self.store.window_rows, len(self.tokens))
                 self.window.pin(len(self.tokens))

@@ -2,8 +2,10 @@
 
 A sliding-window layer's query at position p reads keys p - window + 1 .. p, so the layer keeps
 only the last `window` tokens between forwards, whatever the document's length: these layers
-never enter the KV store, block selection or the memory that grows with the context. Rows are
-float32 (window x kv heads x head_dim: ~1 MB a layer for Gemma 3 270M).
+never enter the KV store, block selection or the memory that grows with the context. Rows take
+the store's KV type where it is FP32, FP16 or BF16, and BF16 where the store quantises its rows
+(window x kv heads x head_dim: 0.5 MB a layer for Gemma 3 270M in BF16): a decode step reads every
+row of every window, so their bytes count as the weights' do.
 
 `pin()` marks a point the conversation may be cut back to (the document's end): from then on the
 tokens from `pin - window` on are kept too, so `truncate(n)` works for any n >= pin - 1 (a cached
@@ -24,22 +26,32 @@ QUERY_TILE = 128  # a chunk's queries per attention call: each reads tile + wind
 # the whole chunk (Gemma 3 270M at a 1,024-token chunk: 2.2x less time in these layers)
 
 
+# KV type -> the rows' torch dtype and kernel kind (kernels.KV_KINDS)
+_ROW_TYPES = {"FP32": (torch.float32, 0), "FP16": (torch.float16, 2)}
+_BF16 = (torch.bfloat16, 1)
+
+
 class SlidingKV:
-    """Per sliding layer a float32 buffer [Hkv, cap, d]: rows [off, off + n) hold positions
-    [first, first + n). Rows fall out of the window by moving `off` (and `first`); the buffer is
-    compacted only when full, so a decode step copies nothing but its own row."""
+    """Per sliding layer a buffer [Hkv, cap, d] of float32 or 16-bit rows: rows [off, off + n)
+    hold positions [first, first + n). Rows fall out of the window by moving `off` (and
+    `first`); the buffer is compacted only when full, so a decode step copies nothing but its own
+    row."""
 
     def __init__(self, layers: tuple[int, ...], n_kv_heads: int, head_dim: int,
-                 window: int) -> None:
+                 window: int, kv_type: str = "FP32") -> None:
         self.layers, self.window = layers, window
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.kb = {layer: torch.empty(n_kv_heads, 0, head_dim) for layer in layers}
-        self.vb = {layer: torch.empty(n_kv_heads, 0, head_dim) for layer in layers}
+        self.dtype, self.kind = _ROW_TYPES.get(kv_type, _BF16)
+        self.kb = {layer: self._empty(0) for layer in layers}
+        self.vb = {layer: self._empty(0) for layer in layers}
         self.off = {layer: 0 for layer in layers}  # buffer row of the first kept position
         self.n = {layer: 0 for layer in layers}  # rows kept
         self.first = {layer: 0 for layer in layers}  # position of each layer's first row
         self.pin_at: int | None = None
         self._views: dict[int, tuple] = {}  # layer -> (kb, vb, k, v, kernel view): see _kernel_view
+
+    def _empty(self, rows: int) -> torch.Tensor:
+        return torch.empty(self.n_kv_heads, rows, self.head_dim, dtype=self.dtype)
 
     def __contains__(self, layer: int) -> bool:
         return layer in self.kb
@@ -53,7 +65,7 @@ class SlidingKV:
         return self.kb[layer][:, a:b], self.vb[layer][:, a:b]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for d in (self.kb, self.vb) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.kb, self.vb) for t in d.values())
 
     def _room(self, layer: int, L: int) -> int:
         """The buffer row where L new rows go after the kept ones: the buffer is compacted (or
@@ -63,7 +75,7 @@ class SlidingKV:
         if off + n + L > kb.shape[1]:
             cap = max(2 * (n + L), n + L + self.window)
             if cap > kb.shape[1] or off == 0:  # grow: a fresh, larger buffer
-                nk = torch.empty(self.n_kv_heads, cap, self.head_dim)
+                nk = self._empty(cap)
                 nv = torch.empty_like(nk)
             else:  # room enough once the dropped rows go: move the kept ones down
                 nk, nv = kb, vb
@@ -75,18 +87,19 @@ class SlidingKV:
     def _append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put L new rows (k, v [Hkv, L, d]) after the kept ones."""
         row, L = self._room(layer, k.shape[1]), k.shape[1]
-        self.kb[layer][:, row:row + L] = k
+        self.kb[layer][:, row:row + L] = k  # rounded to the rows' type
         self.vb[layer][:, row:row + L] = v
         self.n[layer] += L
 
     def _kernel_view(self, layer: int) -> tuple[np.ndarray, np.ndarray, kernels.LayerKV]:
-        """The layer's buffers as NumPy arrays k, v [Hkv, cap, d] and as the attention kernel
-        reads them (one-row blocks), made again only when a buffer is replaced."""
+        """The layer's buffers as NumPy arrays k, v [Hkv, cap, 1, d] (float32, float16, or bf16
+        bits as uint16) and as the attention kernel reads them (one-row blocks), made again only
+        when a buffer is replaced."""
         kb, vb = self.kb[layer], self.vb[layer]
         got = self._views.get(layer)
         if got is None or got[0] is not kb or got[1] is not vb:
-            kn, vn = kb.numpy(), vb.numpy()
-            got = (kb, vb, kn, vn, kernels.rows_kv(kn, vn))
+            kn, vn = (_numpy(t)[:, :, None] for t in (kb, vb))
+            got = (kb, vb, kn, vn, kernels.rows_kv(kn, vn, self.kind))
             self._views[layer] = got
         return got[2], got[3], got[4]
 
@@ -109,7 +122,7 @@ class SlidingKV:
         first, L = self.first[layer], q.shape[1]
         start = self.length(layer)
         self._append(layer, k.float(), v.float())
-        kk, vv = self.rows(layer)  # [Hkv, P + L, d]
+        kk, vv = (t.float() for t in self.rows(layer))  # [Hkv, P + L, d]
         q = q.float()
         out = torch.empty_like(q)  # [Hq, L, d]
         for a in range(0, L, QUERY_TILE):  # each tile reads only its own window's keys
@@ -125,7 +138,7 @@ class SlidingKV:
         self._trim(layer, start + L)
         k, v = self.rows(layer)  # a chunk's buffer, cut to the rows kept plus a window's room
         n = k.shape[1]
-        self.kb[layer] = torch.empty(self.n_kv_heads, n + self.window, self.head_dim)
+        self.kb[layer] = self._empty(n + self.window)
         self.vb[layer] = torch.empty_like(self.kb[layer])
         self.kb[layer][:, :n], self.vb[layer][:, :n], self.off[layer] = k, v, 0
         return out
@@ -138,8 +151,11 @@ class SlidingKV:
         start = self.length(layer)
         row = self._room(layer, 1)
         kn, vn, kv = self._kernel_view(layer)
-        kn[:, row] = k
-        vn[:, row] = v
+        if self.kind == 1:  # rounded to bf16 as torch rounds (to nearest even)
+            kernels.put_token(kn, vn, row, k, v)
+        else:
+            kn[:, row, 0] = k
+            vn[:, row, 0] = v
         self.n[layer] += 1
         end = row + 1  # buffer rows [end - w, end): the window
         out = kernels.attend_rows(kv, q, end - min(self.window, self.n[layer]), end, scale)
@@ -171,8 +187,8 @@ class SlidingKV:
             if a < first or b > self.length(layer):
                 raise ValueError("the window rows for that length are gone")
             k, v = self.rows(layer)
-            out[i, 0, :, w - (b - a):] = k[:, a - first:b - first].numpy()
-            out[i, 1, :, w - (b - a):] = v[:, a - first:b - first].numpy()
+            out[i, 0, :, w - (b - a):] = k[:, a - first:b - first].float().numpy()
+            out[i, 1, :, w - (b - a):] = v[:, a - first:b - first].float().numpy()
         return out
 
     def load(self, rows: np.ndarray, n_tokens: int) -> None:
@@ -180,7 +196,14 @@ class SlidingKV:
         w = self.window
         a = max(0, n_tokens - w)
         for i, layer in enumerate(self.layers):
-            self.kb[layer] = torch.from_numpy(np.array(rows[i, 0, :, w - (n_tokens - a):]))
-            self.vb[layer] = torch.from_numpy(np.array(rows[i, 1, :, w - (n_tokens - a):]))
+            self.kb[layer] = torch.from_numpy(np.array(rows[i, 0, :, w - (n_tokens - a):])).to(
+                self.dtype)
+            self.vb[layer] = torch.from_numpy(np.array(rows[i, 1, :, w - (n_tokens - a):])).to(
+                self.dtype)
             self.off[layer], self.n[layer] = 0, n_tokens - a
             self.first[layer] = a
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor's memory as NumPy: bf16 as its bits (uint16), the rest as it is."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()

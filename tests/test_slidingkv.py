@@ -25,14 +25,20 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, win
     (512, [1000, 700, 3, 1]),  # Gemma 3's window: tiles of a chunk start inside the past rows
     (200, [129, 127, 256, 1]),  # chunks at and around the tile's edge
 ])
-def test_attend_matches_masked_attention_over_every_row(window: int, chunks: list[int]) -> None:
+@pytest.mark.parametrize("kv_type, dtype", [("FP32", torch.float32), ("BF16", torch.bfloat16),
+                                             ("FP16", torch.float16), ("Q8_0", torch.bfloat16)])
+def test_attend_matches_masked_attention_over_every_row(window: int, chunks: list[int],
+                                                        kv_type: str, dtype: torch.dtype) -> None:
+    """Prefill chunks and decode steps over rows kept in the store's KV type (BF16 where the
+    store quantises): exact attention over the rows as rounded to that type."""
     g = torch.Generator().manual_seed(window)
     hq, hkv, d, scale = 4, 2, 8, 0.3
-    sw = SlidingKV((0,), hkv, d, window)
+    sw = SlidingKV((0,), hkv, d, window, kv_type)
+    assert sw.kb[0].dtype == dtype
     ks, vs, pos = [], [], 0
     for n in chunks:
         q, k, v = (torch.randn(h, n, d, generator=g) for h in (hq, hkv, hkv))
-        ks.append(k), vs.append(v)
+        ks.append(k.to(dtype).float()), vs.append(v.to(dtype).float())
         if n == 1:  # a decode step
             got = torch.from_numpy(sw.attend_one(0, q[:, 0].numpy(), k[:, 0].numpy(),
                                                  v[:, 0].numpy(), scale))[:, None]

@@ -116,10 +116,11 @@ def measure(model: str, context: int, steps: int, runs: int, profile: str,
     share = statistics.median(shares)
     store = session.store
     kv_bytes = int(store.nbytes_used() * share)  # the store's layers: the blocks a step reads
-    if session.window is not None:  # sliding-window layers: their window, float32
+    if session.window is not None:  # sliding-window layers: their window's rows
         spec = lm.spec
         rows = min(spec.sliding_window, context + steps)
-        kv_bytes += 2 * len(spec.sliding_layers) * spec.n_kv_heads * spec.head_dim * 4 * rows
+        row = spec.n_kv_heads * spec.head_dim * session.window.kb[spec.sliding_layers[0]].itemsize
+        kv_bytes += 2 * len(spec.sliding_layers) * row * rows
     wbytes = weight_bytes(lm)
     probe = np.ones((wbytes + kv_bytes) // 8, np.uint64)
     _stream(probe)
