@@ -100,9 +100,10 @@ def measure(model: str, context: int, steps: int, runs: int, profile: str,
         if r:  # the prompt again: its last token re-fed over the kept KV of the rest
             session.truncate(context - 1)
             session.prefill(ids[-1:])
-        acc.clear()
-        stamps = []
+        stamps: list[float] = []
         for s in session.generate(Sampling(max_new_tokens=steps, temperature=0.0)):
+            if not stamps:  # count the calls between the first stamp and the last only: the
+                acc.clear()  # same steps the token's time spans (not the first, after a prefill)
             stamps.append(time.perf_counter())
             shares.append(s.stats.attended_share)
         # ktlong feeds each token before yielding it, but not the last
