@@ -727,11 +727,9 @@ def rows_kv(k: np.ndarray, v: np.ndarray, kv_kind: int = 0) -> LayerKV:
     return layer_kv(empty, empty, k, v, 0, kv_kind)
 
 
-def rows_per_item() -> int:
-    """Fewest rows an item of `attend_rows` takes: below that an item's fixed cost outweighs
-    what another thread saves (ad hoc, Gemma 3 270M's 512-row window, 2 threads: 2 items
-    37 us, 4 items 41, 8 items 49)."""
-    return 256
+ROWS_PER_ITEM = 256  # fewest rows an item of `attend_rows` takes: below that an item's fixed
+# cost outweighs what another thread saves (ad hoc, Gemma 3 270M's 512-row window, 2 threads:
+# 2 items 37 us, 4 items 41, 8 items 49)
 
 
 def attend_rows(kv: LayerKV, q, r0: int, r1: int, scale: float) -> np.ndarray:
@@ -740,7 +738,7 @@ def attend_rows(kv: LayerKV, q, r0: int, r1: int, scale: float) -> np.ndarray:
     if not 0 <= r0 < r1 <= kv.k_tail.shape[1]:
         raise ValueError(f"rows [{r0}, {r1}) are outside the buffer's {kv.k_tail.shape[1]}")
     ids = readonly(np.arange(r0, r1, dtype=np.int32)[None])  # [1, n] one-row blocks
-    n_split = max(1, min(-(-use_threads() // kv.hkv), (r1 - r0) // rows_per_item()))
+    n_split = max(1, min(-(-use_threads() // kv.hkv), (r1 - r0) // ROWS_PER_ITEM))
     return _attend(kv.query(q), kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, 0, ids,
                    _NO_SHIFTS, r1, r1, n_split, F32(scale * LOG2E), kv.perm, _NO_TURNS.tab,
                    _NO_TURNS.rot)[0]

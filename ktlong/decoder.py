@@ -133,6 +133,13 @@ def _pair(a: nn.Module, b: nn.Module, fa: Linear, fb: Linear) -> Pair:
 _NO_WEIGHT = np.zeros(0, np.float32)  # a norm the layer does not have (kernels skip it)
 
 
+def _add_args(y_norm: Norm | None, norm: Norm) -> tuple[Vec, float, Vec, float, bool]:
+    """kernels.add_norm's arguments between h, y and out: h += y normed by y_norm (if any),
+    then out = norm(h)."""
+    yw, y_eps = (_NO_WEIGHT, 0.0) if y_norm is None else (y_norm.w, y_norm.eps)
+    return yw, y_eps, norm.w, norm.eps, norm.plus_one
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     index: int
@@ -210,6 +217,12 @@ class Decoder:
         self._rope_at = -1  # first position of the tables in _rope
         self._rope: list[tuple[np.ndarray, np.ndarray]] = []  # per table: cos, sin [rows, d]
         self.rope_of: list[int] = []  # layer -> its table in _rope (Gemma 3: one per layer type)
+        # per layer, kernels.add_norm's norm arguments after attention and after the MLP: the
+        # norm of what is added (or none), then the next norm (the MLP's; the next layer's, or
+        # the final norm)
+        nexts = [p.attn_norm for p in layers[1:]] + [norm]
+        self._adds = [(_add_args(p.attn_out_norm, p.mlp_norm), _add_args(p.mlp_out_norm, nxt))
+                      for p, nxt in zip(layers, nexts, strict=True)]
 
     def embed(self, token: int) -> Vec:
         """The token's embedding row [hidden] float32: straight from a quantised table's bytes,
@@ -251,7 +264,7 @@ class Decoder:
         rope = self.rope(pos)
         plus_one = self.norm.plus_one
         self.layers[0].attn_norm(h, x)
-        for i, p in enumerate(self.layers):
+        for p, (after_attn, after_mlp) in zip(self.layers, self._adds, strict=True):
             cos, sin = rope[self.rope_of[p.index]]
             q, k = p.qk(x)
             q, k = q.reshape(p.heads, p.head_dim), k.reshape(p.kv_heads, p.head_dim)
@@ -259,11 +272,10 @@ class Decoder:
             kernels.qk_rope(q, k, *p.qk_norm, plus_one, cos, sin)
             a = router.attend_one(p.index, q, k, v, p.scale)  # [Hq, d]
             o = p.o(np.ascontiguousarray(a, np.float32).reshape(-1))
-            self._add_norm(h, o, p.attn_out_norm, p.mlp_norm, x)
+            kernels.add_norm(h, o, *after_attn, x)
             g, u = p.gate_up(x)
             kernels.gated(g, u, p.gelu)
-            nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-            self._add_norm(h, p.down(g), p.mlp_out_norm, nxt, x)
+            kernels.add_norm(h, p.down(g), *after_mlp, x)
             store.check_resident()
         logits = self.head(x)
         if self.softcap:  # in place: the vector is the vocabulary's size
@@ -271,12 +283,6 @@ class Decoder:
             np.tanh(logits, out=logits)
             logits *= self.softcap
         return torch.from_numpy(logits)[None]
-
-    @staticmethod
-    def _add_norm(h: Vec, y: Vec, y_norm: Norm | None, norm: Norm, out: Vec) -> None:
-        """h += y (normed first by y_norm where there is one), out = norm(h): one kernel call."""
-        yw, y_eps = (_NO_WEIGHT, 0.0) if y_norm is None else (y_norm.w, y_norm.eps)
-        kernels.add_norm(h, y, yw, y_eps, norm.w, norm.eps, norm.plus_one, out)
 
 
 def build(lm: Any) -> Decoder | None:

@@ -260,7 +260,6 @@ def _layer_ops() -> None:
     kernels.rmsnorm(x2, w, 1e-6, True, x2)
     kernels.rope(x2, w, w)
     kernels.qk_rope(x2, x2, w, w, 1e-6, 1e-6, True, w, w)
-    kernels.qk_rope(x2, x2, w[:0], w[:0], 0.0, 0.0, True, w, w)
     kernels.add_norm(x, x.copy(), w, 1e-6, w, 1e-6, True, np.empty_like(x))
     kernels.gated(x, w, False)
     rows = np.ones((1, 4, 8), np.float32)  # [Hkv, cap, d]
