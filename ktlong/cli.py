@@ -938,7 +938,9 @@ def bench_e2e(contexts: Annotated[str, typer.Option(
                        "or one of llamacpp-fa, llamacpp-q8kv, llamacpp-nofa.")]
               = "ktlong-default,ktlong-dense,transformers,llamacpp",
               repeats: Annotated[int, typer.Option(
-                  min=1, help="Interleaved rounds; medians are reported.")] = 1,
+                  min=1, help="Interleaved rounds (every other one in reverse order); medians "
+                              "are reported, and per round ktlong's median decode run over "
+                              "llama.cpp's best.")] = 1,
               decode_runs: Annotated[int, typer.Option(
                   min=1, help="Decode runs per prefill (the prompt's last token re-fed); "
                               "the median is reported.")] = DECODE_RUNS,

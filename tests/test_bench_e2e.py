@@ -38,6 +38,24 @@ def test_bench_e2e_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert rows["llamacpp"]["status"] == "not installed"
     else:
         assert {"llamacpp-fa", "llamacpp-q8kv"} <= set(rows)
+        best = max(x for p in ("llamacpp-fa", "llamacpp-q8kv") if rows[p]["status"] == "ok"
+                   for x in rows[p]["decode_tok_s_runs"])  # q8kv: head_dim 16 has no Q8_0
+        k = rows["ktlong-dense"]
+        assert k["vs_llamacpp_best_beside"] == [pytest.approx(k["decode_tok_s"] / best)]
+
+
+def test_bench_e2e_pairs_each_repeat_with_the_peers_beside_it() -> None:
+    def row(*rates: float, status: str = "ok") -> dict:
+        return {"status": status, "decode_tok_s_runs": list(rates)}
+
+    raw = {("ktlong-default", 9): [row(10, 12, 30), row(20, 21, 22), row(5, 5, 5)],
+           ("llamacpp-fa", 9): [row(8, 10, 9), row(25, 24, 23), row(1, status="failed")],
+           ("llamacpp-nofa", 9): [row(11, 6, 6), row(10, 10, 10), row(1, status="failed")]}
+    names = ["ktlong-default", "llamacpp-fa", "llamacpp-nofa"]
+    # repeat 1: median 12 over the best peer run 11; repeat 2: 21 over 25; repeat 3: no peer ran
+    assert e2e._beside_best(raw, names, "ktlong-default", 9) == [12 / 11, 21 / 25]
+    assert e2e._beside_best(raw, names, "llamacpp-fa", 9) == []
+    assert e2e._beside_best(raw, names[:1], "ktlong-default", 9) == []
 
 
 def test_bench_e2e_unknown_runtime() -> None:

@@ -9,8 +9,10 @@ The model is one of:
 - `--model PATH`: the user's own GGUF file (ktlong and llama.cpp read it) or HF folder (ktlong and
   transformers).
 The prompt is tokenized once and the same ids are fed to every runtime. Each measurement runs in a
-fresh subprocess (so its peak RSS is its own); runtimes are interleaved per context and per repeat;
-medians are reported. Memory is the worker's peak RSS over its baseline: its RSS after the
+fresh subprocess (so its peak RSS is its own); runtimes are interleaved per context and per repeat
+(in reverse order every other repeat); medians are reported, and for each ktlong runtime, per
+repeat, its median decode run over llama.cpp's best run in that repeat
+(`vs_llamacpp_best_beside`). Memory is the worker's peak RSS over its baseline: its RSS after the
 runtime has run once on a tiny model of the same dtypes (TINY_SHAPE), so code, compiled kernels
 and thread pools are the baseline's, for every runtime alike.
 
@@ -296,6 +298,23 @@ def _median_row(rows: list[dict]) -> dict:
     return out
 
 
+def _beside_best(raw: dict[tuple[str, int], list[dict]], names: list[str], name: str,
+                 n: int) -> list[float]:
+    """A ktlong runtime's median decode run over the best decode run of any llama.cpp runtime in
+    the same repeat (the runs beside it in time), per repeat: on a machine whose bandwidth swings
+    from minute to minute, each ratio compares runs from the same minutes."""
+    peers = [p for p in names if p.startswith("llamacpp")]
+    if not name.startswith("ktlong") or not peers:
+        return []
+    out = []
+    for rep, row in enumerate(raw[(name, n)]):
+        best = [max(raw[(p, n)][rep]["decode_tok_s_runs"]) for p in peers
+                if raw[(p, n)][rep]["status"] == "ok"]
+        if row["status"] == "ok" and best:
+            out.append(statistics.median(row["decode_tok_s_runs"]) / max(best))
+    return out
+
+
 def _parse(proc: subprocess.CompletedProcess, name: str, n: int) -> dict:
     """A worker's JSON row, or a `failed` row saying why (one runtime's failure, an OOM kill
     say, must not lose the others' rows)."""
@@ -413,9 +432,9 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                         str(warm_ids), "4", str(threads), "1", files["tiny"], kv_type, kv_tier],
                        capture_output=True, check=False)
     raw: dict[tuple[str, int], list[dict]] = {}
-    for _ in range(repeats):
+    for rep in range(repeats):
         for n in contexts:
-            for name in names:
+            for name in names[::-1] if rep % 2 else names:  # no runtime always first or last
                 if log:
                     log(f"{name} at {n:,} tokens")
                 proc = subprocess.run(
@@ -444,6 +463,9 @@ def run(contexts: list[int], new_tokens: int, threads: int, runtimes: list[str],
                         break
                     same += 1
                 row[f"same_ids_as_{ref_name.split('-')[0]}"] = same
+            paired = _beside_best(raw, names, name, n)
+            if paired:
+                row["vs_llamacpp_best_beside"] = paired
             rows.append(row)
         if wants_llamacpp and not have_llamacpp:
             rows.append(dict(runtime="llamacpp", context=n, status="not installed",
@@ -511,6 +533,13 @@ def print_table(data: dict[str, Any]) -> None:
             ("" if same is None else f"{same}/{r['new_tokens']}"),
         )
     Console().print(table)
+    for r in data["rows"]:
+        if r.get("vs_llamacpp_best_beside"):
+            x = r["vs_llamacpp_best_beside"]
+            Console().print(
+                f"{r['runtime']} at {r['context']:,}: its median decode run over llama.cpp's best "
+                f"run beside it, per repeat: {' '.join(f'{v:.2f}x' for v in x)} (median "
+                f"{statistics.median(x):.2f}x)", highlight=False)
     if data.get("origin"):
         Console().print(f"model file: {escape(data['origin'])}")
     if any(r["status"] == "not installed" for r in data["rows"]):
