@@ -16,8 +16,9 @@ summed at the end): the weights' codes go to `vpdpbusd` as unsigned bytes beside
   sums); Q4_1 / Q5_1's mins are one more `fma` on 4 lanes. A tail step (the last two blocks of a
   row of 4n + 2) does the same on half-width vectors.
 - K-quant step (`q4k_step`, `q5k_step`, `q6k_step`): four `vpdpbusd` (sub-block dots, each within
-  int16), then four `vpdpwssd` multiply them by the 6-bit (Q6_K: 8-bit) sub-block scales and sum
-  in int32; the scales are unpacked with byte shuffles. One `fma` scales the super-block by
+  int16), then `vpdpwssd` multiplies them by the 6-bit (Q6_K: 8-bit) sub-block scales and sums
+  in int32 (Q4_K / Q5_K: two of them, each over two dots packed into words; Q6_K: four); the
+  scales are unpacked with byte shuffles. One `fma` scales the super-block by
   d x dx; Q4_K / Q5_K's mins are one `vpmaddwd` against x's sub-block sums and one `fma` (8
   lanes), Q6_K's -32 is an integer start value.
 
@@ -274,11 +275,20 @@ def _codegen_k45(five):
                 moved = (builder.shl if a < 4 else builder.lshr)(qh, _k(_I16, 32, n))
                 moved = builder.and_(builder.bitcast(moved, _vt(_I8, 64)), _k(_I8, 64, 16))
                 us[j] = builder.or_(us[j], moved)
-        t = ir.Constant(_I32X16, None)
-        zero = t
-        for u, x, (a, b) in zip(us, (x0, x1, x2, x3), subs, strict=True):
-            p = _dpbusd(builder, zero, u, x)  # |p| <= 4 * 31 * 127: an int16
-            t = _dpwssd(builder, t, p, _shuffle(builder, sm, sm, [8 + a] * 8 + [8 + b] * 8))
+        zero = ir.Constant(_I32X16, None)
+        # |p| <= 4 * 31 * 127: an int16, so two p's pack into one vector of words (no saturation)
+        # and one vpdpwssd scales both: two multiplies and two word shuffles where one per p took
+        # four of each (ad hoc, 8B widths: 1.10x the GEMV's speed in cache, 1.05x from memory
+        # on one thread)
+        ps = [_dpbusd(builder, zero, u, x) for u, x in zip(us, (x0, x1, x2, x3), strict=True)]
+        s16 = builder.trunc(sm, _vt(_I16, 16))  # 8 mins, then 8 scales, as words
+        t = zero
+        for h in (0, 1):  # p_2h holds sub-blocks 4h + (0, 2), p_2h+1 sub-blocks 4h + (1, 3)
+            pk = _call(builder, "llvm.x86.avx512.packssdw.512", _vt(_I16, 32),
+                       [ps[2 * h], ps[2 * h + 1]])
+            # word 8L + k of pk: lane 4L + k of p_2h (k < 4), else lane 4L + k - 4 of p_2h+1
+            sub = [4 * h + (k >= 4) + 2 * (lane >= 2) for lane in range(4) for k in range(8)]
+            t = _dpwssd(builder, t, pk, _shuffle(builder, s16, s16, [8 + i for i in sub]))
         w16 = _vt(_I16, 16)
         mins = _call(builder, "llvm.x86.avx2.pmadd.wd", _vt(_I32, 8),
                      [builder.bitcast(_low(builder, sm, _I32, 8), w16),
