@@ -20,15 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from ktlong import kernels
+from ktlong.kvstore import KV_TYPES, QUANT_KV
 
 KEEP_PAST_PIN = 32768  # tokens kept after a pin before it is let go (a very long chat)
 QUERY_TILE = 128  # a chunk's queries per attention call: each reads tile + window - 1 keys, not
 # the whole chunk (Gemma 3 270M at a 1,024-token chunk: 2.2x less time in these layers)
-
-
-# KV type -> the rows' torch dtype and kernel kind (kernels.KV_KINDS)
-_ROW_TYPES = {"FP32": (torch.float32, 0), "FP16": (torch.float16, 2)}
-_BF16 = (torch.bfloat16, 1)
 
 
 class SlidingKV:
@@ -41,7 +37,8 @@ class SlidingKV:
                  window: int, kv_type: str = "FP32") -> None:
         self.layers, self.window = layers, window
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        self.dtype, self.kind = _ROW_TYPES.get(kv_type, _BF16)
+        _, self.dtype, kind = KV_TYPES[kv_type]  # quantised stores: bf16 rows
+        self.kind = 1 if kv_type in QUANT_KV else kind  # the attention kernel's kv_kind
         self.kb = {layer: self._empty(0) for layer in layers}
         self.vb = {layer: self._empty(0) for layer in layers}
         self.off = {layer: 0 for layer in layers}  # buffer row of the first kept position
