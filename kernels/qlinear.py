@@ -11,9 +11,10 @@
 mins, Q6_K's -32) costs one multiply by a sum of x computed once per call, not one per weight.
 
 With AVX512-VNNI (`_qgemv_vnni`) x is rounded to int8 once per call and laid out for the steps of
-kernels/_qvec.py; rows go four at a time, sharing each load of x, with four independent
-accumulators and one horizontal sum for the four. With AVX2 (`_qgemv_avx2`) x is rounded the same
-way and the steps of kernels/_qavx2.py take a row at a time (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+kernels/_qvec.py; a K-quant row is read on its own, start to end, as one stream (x's codes and
+tables come from L1), 32-block rows two at a time, with a software prefetch AHEAD bytes on. With
+AVX2 (`_qgemv_avx2`) x is rounded the same way and the steps of kernels/_qavx2.py take a row at a
+time (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
 Otherwise `_qgemv` works in float32, a row at a time: W codes at a time are widened to float32
 lanes in registers (`vbits`, `vsbytes`) and meet x in one `fma`; each block's vector is scaled
 into the row's accumulator, summed once at its end (Q5_0, Q5_1 and Q5_K go element by element).
@@ -266,12 +267,13 @@ def _qgemv(w, qtype, x, serial=False):
 # AVX512-VNNI path (as llama.cpp's): x is rounded to int8, per 32 channels for the 32-blocks (Q8_0,
 # Q4_0, Q4_1, Q5_0, Q5_1) and per 256 for the K-quants; each block's codes meet x's codes in
 # vpdpbusd (kernels/_qvec.py has the steps). Constant terms (mins, code offsets) use the sums of x's
-# codes, so the result is exactly W times the int8-rounded x. Rows go four at a time: the four
-# share each load of x's codes and tables, keep four independent accumulators and end in one
-# horizontal sum.
-AHEAD = 16384  # bytes at least: four rows at a time are four short streams at once, which the
-# hardware prefetcher does not follow; each row prefetches its bytes in the tile this far on (2x on
-# a big matrix of short rows; 1.4x on 8B-width Q6_K rows)
+# codes, so the result is exactly W times the int8-rounded x. A thread reads its item's rows in
+# order, each a stream the prefetchers follow: K-quant rows one at a time (four at once, sharing
+# x's loads, were four short streams and read 0.75-0.8x as fast from memory; two, 0.7-0.87x), and
+# 32-block rows two at a time, whose short steps cost about what x's loads do (one row at a time:
+# 0.7-0.95x at 8B widths).
+AHEAD = 8192  # bytes: how far on in its row a step prefetches (2 threads, 8B-width Q4_K / Q6_K
+# from memory: 1.25x / 1.28x the four-row tiles; 4 KB and 16 KB are within 2%)
 SERIAL_BYTES = 1 << 17  # smaller weights run on the calling thread alone: a parallel region
 # costs ~2 us while the kernels' threads spin (kernels/__init__.py), ~45 us to wake them once
 # asleep; a matrix this size takes ~5 us on one core
@@ -433,45 +435,22 @@ def int8_path(qtype: int, k: int) -> bool:
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _tile_rows(wa, rb, n, r):
-    """Addresses of rows r .. r + 3 (past the last row: the last row again)."""
-    return (wa + r * rb, wa + min(r + 1, n - 1) * rb, wa + min(r + 2, n - 1) * rb,
-            wa + min(r + 3, n - 1) * rb)
+def _prefetch1(a, o, n):
+    """Prefetch bytes o .. o + n of the stream at address a, AHEAD bytes on."""
+    for i in range(o + AHEAD, o + AHEAD + n, 64):
+        prefetch(a + i)
 
 
 @njit(fastmath=FASTMATH, cache=True, inline="always")
-def _ahead(rb):
-    """How far ahead a row's reads are prefetched: the same bytes of the rows a whole number of
-    tiles on, at least AHEAD bytes."""
-    return 4 * rb * ((AHEAD + 4 * rb - 1) // (4 * rb))
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _prefetch4(a0, a1, a2, a3, o, n, ahead):
-    """Prefetch bytes o .. o + n of rows a0-a3, `ahead` bytes on."""
-    for i in range(o + ahead, o + ahead + n, 64):
-        prefetch(a0 + i)
-        prefetch(a1 + i)
-        prefetch(a2 + i)
-        prefetch(a3 + i)
-
-
-@njit(fastmath=FASTMATH, cache=True, inline="always")
-def _tile_out(out, r, n, c0, c1, c2, c3):
-    """out[r .. r + 3] (those below n) = the lane sums of the rows' accumulators."""
-    y0, y1, y2, y3 = hsum4(c0, c1, c2, c3)
-    out[r] = y0
-    if r + 1 < n:
-        out[r + 1] = y1
-    if r + 2 < n:
-        out[r + 2] = y2
-    if r + 3 < n:
-        out[r + 3] = y3
+def _lane_sum(c):
+    """The lane sum of a row's accumulator (hsum4's tree: the sums the four-row tiles gave)."""
+    y, _, _, _ = hsum4(c, c, c, c)
+    return y
 
 
 def _rows(qtype, w, r0, r1, codes, tf, ti, out):
-    """out[r0:r1] = W[r0:r1] . x (x as `_x_tables` left it), four rows at a time from r0 (a
-    multiple of 4). Compiled once per type (`qtype` a literal): a loop of that type's steps."""
+    """out[r0:r1] = W[r0:r1] . x (x as `_x_tables` left it): K-quants a row at a time, 32-blocks
+    two rows at a time. Compiled once per type (`qtype` a literal): a loop of that type's steps."""
 
 
 @overload(_rows, prefer_literal=True, jit_options={"fastmath": FASTMATH})
@@ -484,24 +463,19 @@ def _rows_impl(qtype, w, r0, r1, codes, tf, ti, out):
         step = {Q4_K: q4k_step, Q5_K: q5k_step, Q6_K: q6k_step}[q]
 
         def rows_k(qtype, w, r0, r1, codes, tf, ti, out):
-            n, rb = w.shape[0], w.shape[1]
+            rb = w.shape[1]
             # raw addresses taken here, inside the caller's loop: Numba frees an array after its
             # last use, so addresses taken before the loop could point at memory `out` reuses
             wa, xa, ia = w.ctypes.data, codes.ctypes.data, ti.ctypes.data
-            ahead = _ahead(rb)
-            for r in range(r0, r1, 4):
-                a0, a1, a2, a3 = _tile_rows(wa, rb, n, r)
-                c0 = c1 = c2 = c3 = vzero()
+            for r in range(r0, r1):
+                a = wa + r * rb
+                c = vzero()
                 for b in range(rb // nb):  # super-blocks
                     o, t = nb * b, xa + 256 * b
-                    x0, x1, x2, x3 = ldv(t), ldv(t + 64), ldv(t + 128), ldv(t + 192)
-                    dx, tab = tf[b], ldv(ia + 64 * b)
-                    _prefetch4(a0, a1, a2, a3, o, nb, ahead)
-                    c0 = step(c0, a0 + o, x0, x1, x2, x3, dx, tab)
-                    c1 = step(c1, a1 + o, x0, x1, x2, x3, dx, tab)
-                    c2 = step(c2, a2 + o, x0, x1, x2, x3, dx, tab)
-                    c3 = step(c3, a3 + o, x0, x1, x2, x3, dx, tab)
-                _tile_out(out, r, n, c0, c1, c2, c3)
+                    _prefetch1(a, o, nb)
+                    c = step(c, a + o, ldv(t), ldv(t + 64), ldv(t + 128), ldv(t + 192), tf[b],
+                             ldv(ia + 64 * b))
+                out[r] = _lane_sum(c)
         return rows_k
     full, tail = step32(q, False), step32(q, True)
 
@@ -509,32 +483,31 @@ def _rows_impl(qtype, w, r0, r1, codes, tf, ti, out):
         n, rb = w.shape[0], w.shape[1]
         wa, xa, fa, ia = w.ctypes.data, codes.ctypes.data, tf.ctypes.data, ti.ctypes.data
         nblk = rb // nb
-        ahead = _ahead(rb)
-        for r in range(r0, r1, 4):
-            a0, a1, a2, a3 = _tile_rows(wa, rb, n, r)
-            c0 = c1 = c2 = c3 = vzero()
+        for r in range(r0, r1, 2):  # two rows (past the last row: the last row again)
+            a0, a1 = wa + r * rb, wa + min(r + 1, n - 1) * rb
+            c0 = c1 = vzero()
             for g in range((nblk + 3) // 4):  # groups of four blocks; the last may be two
                 o, t = 4 * nb * g, 128 * g  # byte offsets: the rows', x's codes' and tables'
                 x1, x2 = ldv(xa + t), ldv(xa + t + 64)
                 sx, f2, i1, i2 = ldv(fa + t), ldv(fa + t + 64), ldv(ia + t), ldv(ia + t + 64)
-                _prefetch4(a0, a1, a2, a3, o, 4 * nb, ahead)
+                _prefetch1(a0, o, 4 * nb)
+                _prefetch1(a1, o, 4 * nb)
                 if 4 * g + 4 <= nblk:
                     c0 = full(c0, a0 + o, x1, x2, sx, f2, i1, i2)
                     c1 = full(c1, a1 + o, x1, x2, sx, f2, i1, i2)
-                    c2 = full(c2, a2 + o, x1, x2, sx, f2, i1, i2)
-                    c3 = full(c3, a3 + o, x1, x2, sx, f2, i1, i2)
                 else:
                     c0 = tail(c0, a0 + o, x1, x2, sx, f2, i1, i2)
                     c1 = tail(c1, a1 + o, x1, x2, sx, f2, i1, i2)
-                    c2 = tail(c2, a2 + o, x1, x2, sx, f2, i1, i2)
-                    c3 = tail(c3, a3 + o, x1, x2, sx, f2, i1, i2)
-            _tile_out(out, r, n, c0, c1, c2, c3)
+            y0, y1, _, _ = hsum4(c0, c1, c1, c1)
+            out[r] = y0
+            if r + 1 < r1:
+                out[r + 1] = y1
     return rows_32
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def _item(w, qtype, r0, r1, codes, tf, ti, out):
-    """Rows r0:r1 of out (r0 a multiple of 4). One branch per type."""
+    """Rows r0:r1 of out. One branch per type."""
     if qtype == Q4_1:
         _rows(Q4_1, w, r0, r1, codes, tf, ti, out)
     elif qtype == Q8_0:
@@ -556,7 +529,7 @@ def _item(w, qtype, r0, r1, codes, tf, ti, out):
 @njit(parallel=True, nogil=True, cache=True)
 def _qgemv_vnni(w, w2, qtype, x, out, out2, rows_per_item, serial):
     # w [N, row_bytes], w2 [N2, row_bytes] u8 (N2 may be 0); x [K] f32 (K a multiple of 64, or
-    # of 256 for K-quants); out [N], out2 [N2] f32; rows_per_item a multiple of 4. `serial`: all
+    # of 256 for K-quants); out [N], out2 [N2] f32; rows_per_item rows a work item. `serial`: all
     # on the calling thread (no parallel region). Two matrices of one input share x's rounding
     # and one parallel region (q and k, gate and up of a decode step).
     n, n2 = w.shape[0], w2.shape[0]
@@ -709,8 +682,8 @@ def _out(out: np.ndarray | None, n: int) -> np.ndarray:
 
 def _rows_per_item(n: int, threads: int) -> int:
     """Rows a work item of the VNNI path takes: about 8 items a thread (dynamic schedule), 16
-    to 256 rows each."""
-    return max(16, min(256, n // (8 * threads) // 4 * 4))
+    to 256 rows each, an even number (32-block rows go in pairs)."""
+    return max(16, min(256, n // (8 * threads) // 2 * 2))
 
 
 def qgemv(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -116,8 +116,8 @@ def _want(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 37])
-def test_qgemv_takes_rows_four_at_a_time_and_writes_into_out(qtype, rows):
-    """Tiles of four rows: fewer rows than four, a last tile past the last row; rows of 18
+def test_qgemv_takes_any_row_count_and_writes_into_out(qtype, rows):
+    """Row counts under and over a work item's, odd ones among them; rows of 18
     32-blocks (four groups of four and a tail of two) or 3 super-blocks; `out` reused."""
     t = quant.TYPES[qtype]
     k = 768 if t.block == 256 else 576
