@@ -3,8 +3,9 @@
 Decode reads every weight once per token, so its linear layers are bound by memory traffic; keeping
 the weights in 16 bits halves it (and lets a small model's weights stay in the last-level cache).
 BF16 and FP16 are widened to float32 in registers (the same loads as the KV kernels, `vload2`), so
-no float32 copy of a weight ever exists. Each work item takes RB output rows, four at a time: one
-pass over the input vector feeds four weight rows.
+no float32 copy of a weight ever exists. Each work item takes RB output rows, one at a time: a
+row is one stream that the prefetchers follow, with a software prefetch AHEAD bytes on (four
+rows at once, sharing x's loads, were four streams and read 0.86-0.88x as fast from memory).
 """
 from __future__ import annotations
 
@@ -14,33 +15,32 @@ import numpy as np
 from numba import njit, prange
 
 from ._simd import F32, FASTMATH, kv_to_f64, readonly, readonly_bytes
-from ._vec import W, packed_channels, row_addr, vfma, vload, vload2, vsum4, vzero
+from ._vec import W, packed_channels, prefetch, row_addr, vfma, vload, vload2, vsum4, vzero
 
-RB = 16  # output rows per work item (a multiple of 4)
+RB = 16  # output rows per work item
+AHEAD = 8192  # bytes: how far on in its row a channel group prefetches (BF16 8B-width matrices
+# from memory: 1.16x the four-row tiles on two threads, 1.13x on one; 4 KB within 1%)
 
 
 @njit(fastmath=FASTMATH, cache=True)
 def _rows(w, xp, out, r0, r1):
-    """out[0, r] = w[r] . x for r in r0..r1 (r1 - r0 a multiple of 4 or the matrix's end)."""
-    n, k = w.shape[0], w.shape[3]
-    last = n - 1
+    """out[0, r] = w[r] . x for r in r0..r1."""
+    k = w.shape[3]
     ng = xp.shape[1] // (2 * W)
-    for r in range(r0, r1, 4):
-        w0, w1 = row_addr(w, r, 0, 0), row_addr(w, min(r + 1, last), 0, 0)
-        w2, w3 = row_addr(w, min(r + 2, last), 0, 0), row_addr(w, min(r + 3, last), 0, 0)
-        a0 = a1 = a2 = a3 = vzero()
+    gb = 2 * W * w.itemsize  # bytes of a channel group
+    lane = np.empty((1, 4), F32)  # vsum4 writes four sums: the first is the row's
+    for r in range(r0, r1):
+        a = row_addr(w, r, 0, 0)
+        acc = vzero()
         for gi in range(ng):
+            for line in range((gi * gb + 63) // 64, (gi * gb + gb + 63) // 64):
+                prefetch(a + AHEAD + 64 * line)
             c = gi * 2 * W
             xe, xo = vload(xp, 0, c), vload(xp, 0, c + W)
-            e0, o0 = vload2(w, w0, k, gi)
-            e1, o1 = vload2(w, w1, k, gi)
-            e2, o2 = vload2(w, w2, k, gi)
-            e3, o3 = vload2(w, w3, k, gi)
-            a0 = vfma(xe, e0, vfma(xo, o0, a0))
-            a1 = vfma(xe, e1, vfma(xo, o1, a1))
-            a2 = vfma(xe, e2, vfma(xo, o2, a2))
-            a3 = vfma(xe, e3, vfma(xo, o3, a3))
-        vsum4(out, 0, r, a0, a1, a2, a3)
+            e, o = vload2(w, a, k, gi)
+            acc = vfma(xe, e, vfma(xo, o, acc))
+        vsum4(lane, 0, 0, acc, acc, acc, acc)
+        out[0, r] = lane[0, 0]
 
 
 @njit(nogil=True, cache=True)
@@ -55,10 +55,10 @@ def _pack(x, perm):
 
 @njit(parallel=True, nogil=True, cache=True)
 def _gemv(wb, kind, x, perm):
-    # wb [N, 1, 1, K*size] uint8 (weights); x [K] f32; perm [P] -> out [ceil4(N)] f32
+    # wb [N, 1, 1, K*size] uint8 (weights); x [K] f32; perm [P] -> out [N] f32
     n = wb.shape[0]
     xp = _pack(x, perm)  # [1, P]
-    out = np.empty((1, -(-n // 4) * 4), F32)  # the last tile may spill past N
+    out = np.empty((1, n), F32)
     for it in prange((n + RB - 1) // RB):
         r0, r1 = it * RB, min(n, it * RB + RB)
         if kind == 1:
@@ -91,8 +91,7 @@ def gemv(w: np.ndarray, x: np.ndarray, kind: int) -> np.ndarray:
         raise ValueError("BF16 weights need an even number of inputs")
     if x.shape != (k,):
         raise ValueError(f"x must be [{k}], got {x.shape}")
-    out = _gemv(readonly_bytes(w.reshape(n, 1, 1, k)), kind, readonly(x, F32), _perm(k, kind))
-    return out[:n]
+    return _gemv(readonly_bytes(w.reshape(n, 1, 1, k)), kind, readonly(x, F32), _perm(k, kind))
 
 
 def gemv_ref(w: np.ndarray, x: np.ndarray, kind: int) -> np.ndarray:
