@@ -384,24 +384,3 @@ def ldv(typingctx, addr):
     return vec(addr), codegen
 
 
-@intrinsic
-def hsum4(typingctx, a0, a1, a2, a3):
-    """The lane sums of four vectors (one shuffle tree for all four), as 4 float32."""
-    def codegen(context, builder, sig, args):
-        def add(x, y):
-            return builder.fadd(x, y, flags=("reassoc",))
-        h, q = W // 2, W // 4
-        lo_half = list(range(h)) + list(range(W, W + h))
-        hi_half = list(range(h, W)) + list(range(W + h, 2 * W))
-        v0, v1, v2, v3 = args
-        ab = add(_shuffle(builder, v0, v1, lo_half), _shuffle(builder, v0, v1, hi_half))
-        cd = add(_shuffle(builder, v2, v3, lo_half), _shuffle(builder, v2, v3, hi_half))
-        lo = [i for grp in (0, h, W, W + h) for i in range(grp, grp + q)]  # [a | b | c | d]
-        v = add(_shuffle(builder, ab, cd, lo), _shuffle(builder, ab, cd, [i + q for i in lo]))
-        gs = q
-        while gs > 1:  # fold each quarter onto its first lane
-            gs //= 2
-            v = add(v, _shuffle(builder, v, v, [i ^ gs for i in range(W)]))
-        out = [builder.extract_element(v, ir.Constant(_I32, j * q)) for j in range(4)]
-        return context.make_tuple(builder, sig.return_type, out)
-    return types.UniTuple(types.float32, 4)(vec, vec, vec, vec), codegen

@@ -241,6 +241,28 @@ def _quant_pair(builder, q4, addr, d, g2):
     return (builder.fmul(builder.sitofp(e, _VEC), sv), builder.fmul(builder.sitofp(o, _VEC), sv))
 
 
+def _sum_tree(builder, v0, v1, v2, v3):
+    """One shuffle tree for the lane sums of four vectors: lanes 0, W/4, W/2, 3W/4 of the result
+    hold v0's .. v3's sums."""
+    def shuf(x, y, idx):
+        return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, W), idx))
+
+    def add(x, y):
+        return builder.fadd(x, y, flags=("reassoc",))
+    h, q = W // 2, W // 4
+    lo_half = list(range(h)) + list(range(W, W + h))
+    hi_half = list(range(h, W)) + list(range(W + h, 2 * W))
+    ab = add(shuf(v0, v1, lo_half), shuf(v0, v1, hi_half))  # [a | b] halves
+    cd = add(shuf(v2, v3, lo_half), shuf(v2, v3, hi_half))
+    lo = [i for grp in (0, h, W, W + h) for i in range(grp, grp + q)]  # [a | b | c | d]
+    v = add(shuf(ab, cd, lo), shuf(ab, cd, [i + q for i in lo]))
+    gs = q
+    while gs > 1:  # fold each quarter onto its first lane
+        gs //= 2
+        v = add(v, shuf(v, v, [i ^ gs for i in range(W)]))
+    return v
+
+
 @intrinsic
 def vsum4(typingctx, arr, r, c, a0, a1, a2, a3):
     """arr[r, c:c + 4] = the lane sums of a0..a3 (one shuffle tree for all four)."""
@@ -248,23 +270,7 @@ def vsum4(typingctx, arr, r, c, a0, a1, a2, a3):
         return None
 
     def codegen(context, builder, sig, args):
-        def shuf(x, y, idx):
-            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, W), idx))
-
-        def add(x, y):
-            return builder.fadd(x, y, flags=("reassoc",))
-        h, q = W // 2, W // 4
-        lo_half = list(range(h)) + list(range(W, W + h))
-        hi_half = list(range(h, W)) + list(range(W + h, 2 * W))
-        v0, v1, v2, v3 = args[3:]
-        ab = add(shuf(v0, v1, lo_half), shuf(v0, v1, hi_half))  # [a | b] halves
-        cd = add(shuf(v2, v3, lo_half), shuf(v2, v3, hi_half))
-        lo = [i for grp in (0, h, W, W + h) for i in range(grp, grp + q)]  # [a | b | c | d]
-        v = add(shuf(ab, cd, lo), shuf(ab, cd, [i + q for i in lo]))
-        gs = q
-        while gs > 1:  # fold each quarter onto its first lane
-            gs //= 2
-            v = add(v, shuf(v, v, [i ^ gs for i in range(W)]))
+        v, q = _sum_tree(builder, *args[3:]), W // 4
         quad = ir.VectorType(ir.FloatType(), 4)
         lanes = ir.Constant(ir.VectorType(_I32, 4), [0, q, 2 * q, 3 * q])
         sums = builder.shuffle_vector(v, v, lanes)
@@ -272,6 +278,16 @@ def vsum4(typingctx, arr, r, c, a0, a1, a2, a3):
         builder.store(sums, builder.bitcast(p, quad.as_pointer()), align=4)
         return context.get_dummy_value()
     return types.none(arr, r, c, vec, vec, vec, vec), codegen
+
+
+@intrinsic
+def hsum4(typingctx, a0, a1, a2, a3):
+    """The lane sums of a0..a3 (vsum4's tree), as 4 float32."""
+    def codegen(context, builder, sig, args):
+        v, q = _sum_tree(builder, *args), W // 4
+        out = [builder.extract_element(v, ir.Constant(_I32, j * q)) for j in range(4)]
+        return context.make_tuple(builder, sig.return_type, out)
+    return types.UniTuple(types.float32, 4)(vec, vec, vec, vec), codegen
 
 
 @intrinsic

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._simd import F32, FASTMATH, kv_to_f64, readonly, readonly_bytes
-from ._vec import W, packed_channels, prefetch, row_addr, vfma, vload, vload2, vsum4, vzero
+from ._vec import W, hsum4, packed_channels, prefetch, row_addr, vfma, vload, vload2, vzero
 
 RB = 16  # output rows per work item
 AHEAD = 8192  # bytes: how far on in its row a channel group prefetches (BF16 8B-width matrices
@@ -28,7 +28,6 @@ def _rows(w, xp, out, r0, r1):
     k = w.shape[3]
     ng = xp.shape[1] // (2 * W)
     gb = 2 * W * w.itemsize  # bytes of a channel group
-    lane = np.empty((1, 4), F32)  # vsum4 writes four sums: the first is the row's
     for r in range(r0, r1):
         a = row_addr(w, r, 0, 0)
         acc = vzero()
@@ -39,8 +38,8 @@ def _rows(w, xp, out, r0, r1):
             xe, xo = vload(xp, 0, c), vload(xp, 0, c + W)
             e, o = vload2(w, a, k, gi)
             acc = vfma(xe, e, vfma(xo, o, acc))
-        vsum4(lane, 0, 0, acc, acc, acc, acc)
-        out[0, r] = lane[0, 0]
+        y, _, _, _ = hsum4(acc, acc, acc, acc)
+        out[0, r] = y
 
 
 @njit(nogil=True, cache=True)

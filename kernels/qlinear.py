@@ -37,9 +37,21 @@ from ._qavx2 import (
     q8_0_step8,
     q8_0_step8_1,
 )
-from ._qvec import VNNI, absmax16, codes16, hsum4, ldv, q4k_step, q5k_step, q6k_step, step32
+from ._qvec import VNNI, absmax16, codes16, ldv, q4k_step, q5k_step, q6k_step, step32
 from ._simd import F32, FASTMATH, readonly, to_bf16, to_f32
-from ._vec import W, load_f16, prefetch, vbits, vfma, vhsum, vload, vsbytes, vsplat, vzero
+from ._vec import (
+    W,
+    hsum4,
+    load_f16,
+    prefetch,
+    vbits,
+    vfma,
+    vhsum,
+    vload,
+    vsbytes,
+    vsplat,
+    vzero,
+)
 from .threads import use_threads
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
