@@ -2,8 +2,8 @@
 
 Inside the kernels the KV format is carried by the array's element type (no branch in hot loops):
 float32 = FP32, uint16 = BF16 bits, int16 = FP16 bits, int32 = Q8_0 rows, uint32 = Q4_0 rows
-(kvquant.py). Parallel entry points take KV as raw bytes (`kv_bytes`) plus kv_kind and view them
-back, so each is compiled once for all the formats.
+(kvquant.py). Entry points take KV viewed as that type (`kv_view`), so a kernel compiles for the
+formats a run uses only: a cold start compiles one format's code, not five.
 """
 from __future__ import annotations
 
@@ -20,9 +20,13 @@ LN2 = np.float32(0.6931471805599453)
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}  # no nnan/ninf: -inf is a real value here
 
 
-def kv_bytes(name: str, a: np.ndarray, kv_kind: int) -> np.ndarray:
+KV_DTYPES = {0: F32, 1: np.uint16, 2: np.int16, 3: np.int32, 4: np.uint32}  # kv_kind -> the
+# element type that carries its format inside the kernels
+
+
+def kv_view(name: str, a: np.ndarray, kv_kind: int) -> np.ndarray:
     """KV storage [Hkv, nb, bs, row] (float32, uint16 bits, or uint8 quantised rows) as a
-    read-only uint8 view."""
+    read-only view in the element type of its format (KV_DTYPES)."""
     size = 4 if kv_kind == 0 else 2 if kv_kind <= 2 else 1
     if a.ndim != 4 or not a.flags.c_contiguous or a.dtype.itemsize != size:
         raise ValueError(f"{name} must be a C-contiguous [Hkv, nb, bs, row] array of "
@@ -31,7 +35,7 @@ def kv_bytes(name: str, a: np.ndarray, kv_kind: int) -> np.ndarray:
         raise ValueError("BF16 KV needs an even head_dim")
     if kv_kind >= 3 and a.shape[3] % 4:
         raise ValueError(f"{name}: quantised KV rows are a multiple of 4 bytes, got {a.shape[3]}")
-    v = a.view(np.uint8, np.ndarray)  # C-contiguous (checked): one NumPy call, no copy
+    v = a.view(KV_DTYPES[kv_kind], np.ndarray)  # C-contiguous (checked): no copy
     v.flags.writeable = False
     return v
 

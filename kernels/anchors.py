@@ -20,14 +20,15 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ._simd import (
     F32,
     FASTMATH,
     f32_to_kv,
-    kv_bytes,
     kv_to_f64,
+    kv_view,
     readonly,
     readonly_bytes,
     to_bf16,
@@ -158,44 +159,51 @@ def _turn_back(x, pos0, freq, tc, ts):
             x[t, c + h] = F32(x2 * co + x1 * si)
 
 
+def _block_anchors(kb, b, kind, out, sc, freq, tc, ts):
+    """Anchors out [A, d] of block b's keys kb [bs, row] (kv_view), turned back to position 0
+    first when freq [h] is not empty."""
+    raise NotImplementedError  # compiled only (see the overload)
+
+
+@overload(_block_anchors)
+def _block_anchors_impl(kb, b, kind, out, sc, freq, tc, ts):
+    if kb.dtype in (types.int32, types.uint32):  # quantised rows: decoded first
+        def decoded(kb, b, kind, out, sc, freq, tc, ts):
+            bs = kb.shape[0]
+            x = np.empty((bs, out.shape[1]), F32)
+            for t in range(bs):
+                row_to_f32(kb[t], x[t])
+            if freq.shape[0] > 0:
+                _turn_back(x, b * bs, freq, tc, ts)
+            _block(x, kind, out, sc)
+        return decoded
+
+    def plain(kb, b, kind, out, sc, freq, tc, ts):
+        if freq.shape[0] > 0:  # decoded to be turned
+            x = np.empty(kb.shape, F32)
+            _decode(kb, x)
+            _turn_back(x, b * kb.shape[0], freq, tc, ts)
+            _block(x, kind, out, sc)
+        else:
+            _block(kb, kind, out, sc)
+    return plain
+
+
 @njit(parallel=True, nogil=True, cache=True)
-def _anchors(k_base, k_tail, dtype, nb_base, first, last, kind, anchors, fmt, token_scores, freq,
-             tc, ts):
-    # K bytes [Hkv, nb, bs, d*size]; anchors bytes [Hkv, nb_cap, A, row] in format fmt;
+def _anchors(k_base, k_tail, nb_base, first, last, kind, anchors, fmt, token_scores, freq, tc,
+             ts):
+    # K [Hkv, nb, bs, row] (kv_view); anchors bytes [Hkv, nb_cap, A, row] in format fmt;
     # token_scores [Hkv, n | 0]; freq [h | 0] f64 (none: keys as stored), tc/ts [bs, h]
     hkv, bs = k_tail.shape[0], k_tail.shape[2]
     na, row = anchors.shape[2], anchors.shape[3]
     d = row - Q8_EXTRA if fmt == FMT_Q8 else row // (2 if fmt == FMT_BF16 else 4)
     nblk = last - first
-    turn = freq.shape[0] > 0
     for it in prange(hkv * nblk):
         j, b = it // nblk, first + it % nblk
-        kb = k_base[j, b] if b < nb_base else k_tail[j, b - nb_base]  # [bs, d*size]
+        kb = k_base[j, b] if b < nb_base else k_tail[j, b - nb_base]  # [bs, row]
         sc = token_scores[j, b * bs:(b + 1) * bs]
         out = np.empty((na, d), F32)  # [A, d]
-        if dtype >= 3 or turn:  # decode the block first (quantised rows, or to turn them)
-            x = np.empty((bs, d), F32)
-            if dtype == 1:
-                _decode(kb.view(np.uint16), x)
-            elif dtype == 2:
-                _decode(kb.view(np.int16), x)
-            elif dtype == 0:
-                _decode(kb.view(F32), x)
-            else:
-                for t in range(bs):
-                    if dtype == 3:
-                        row_to_f32(kb[t].view(np.int32), x[t])
-                    else:
-                        row_to_f32(kb[t].view(np.uint32), x[t])
-            if turn:
-                _turn_back(x, b * bs, freq, tc, ts)
-            _block(x, kind, out, sc)
-        elif dtype == 1:  # view the bytes back as the storage dtype
-            _block(kb.view(np.uint16), kind, out, sc)
-        elif dtype == 2:
-            _block(kb.view(np.int16), kind, out, sc)
-        else:
-            _block(kb.view(F32), kind, out, sc)
+        _block_anchors(kb, b, kind, out, sc, freq, tc, ts)
         if fmt == FMT_Q8:
             codes = anchors[j, b].view(np.int8)  # [A, d + 4]
             for a in range(na):
@@ -270,9 +278,8 @@ def compute_anchors(k_base, k_tail, nb_base, first, last, anchor_type, anchor_nu
         token_scores = readonly(np.zeros((k_tail.shape[0], 0), F32))
     if last > first:
         use_threads()
-        _anchors(kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind), kv_kind,
-                 nb_base, first, last, kind, raw, fmt, token_scores,
-                 *_turn_tables(inv_freq, bs, d))
+        _anchors(kv_view("k_base", k_base, kv_kind), kv_view("k_tail", k_tail, kv_kind), nb_base,
+                 first, last, kind, raw, fmt, token_scores, *_turn_tables(inv_freq, bs, d))
 
 
 def compute_anchors_ref(k_base, k_tail, nb_base, first, last, anchor_type, anchor_num, anchors,

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, LN2, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64, readonly
+from ._simd import F32, FASTMATH, LN2, LOG2E, NEG_INF, exp2_neg, kv_to_f64, kv_view, readonly
 from ._vec import (
     W,
     packed_channels,
@@ -477,8 +477,8 @@ def turn_rows(qp, tab, pair, out):
 
 
 @njit(nogil=True, cache=True)
-def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, sh, n_tokens, j, acc_out, m_out,
-          den_out, tab, rot):
+def attend_item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, sh, n_tokens, j, acc_out, m_out,
+                den_out, tab, rot):
     """Attend packed queries qp [R, P] of KV head j over blocks `ids` (with shifts sh [n], or
     none), chunk by chunk; the rows of the next chunk are touched (a load per page) and
     prefetched while the current one is computed, the first chunk's before it (ad hoc A/B,
@@ -536,9 +536,9 @@ def _item(qp, k_base, v_base, k_tail, v_tail, nb_base, ids, sh, n_tokens, j, acc
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, shifts, n_blocks, n_tokens,
+def _attend(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, shifts, n_blocks, n_tokens,
             n_split, scale, perm, tab, rot):
-    # q [Hq, d] f32; K/V bytes [Hkv, nb, bs, row bytes]; blocks [S, n] int32; shifts [S, n] or
+    # q [Hq, d] f32; K/V [Hkv, nb, bs, row] (kv_view); blocks [S, n] int32; shifts [S, n] or
     # [S, 0] int32; perm [P] (packing); tab, rot: a `Turns`
     if not ids_in_range(blocks, n_blocks):
         raise ValueError("block id out of range")
@@ -553,30 +553,9 @@ def _attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, blocks, shifts, n_
         row = 0 if blocks.shape[0] == 1 else j
         a, b = part * n // n_split, (part + 1) * n // n_split
         sh = shifts[row, a:b] if shifts.shape[1] else shifts[row]
-        attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, blocks[row, a:b], sh,
+        attend_item(qp[j], k_base, v_base, k_tail, v_tail, nb_base, blocks[row, a:b], sh,
                     n_tokens, j, acc[item], mx[item], den[item], tab, rot)
     return merge_items(acc, mx, den, n_split, q.shape[0] // hkv, q.shape[1], perm)
-
-
-@njit(nogil=True, cache=True)
-def attend_item(qp, k_base, v_base, k_tail, v_tail, kind, nb_base, ids, sh, n_tokens, j, acc, m,
-                den, tab, rot):
-    """`_item` over K/V bytes viewed back as the storage dtype of `kind`."""
-    args = (nb_base, ids, sh, n_tokens, j, acc, m, den, tab, rot)
-    if kind == 1:
-        _item(qp, k_base.view(np.uint16), v_base.view(np.uint16), k_tail.view(np.uint16),
-              v_tail.view(np.uint16), *args)
-    elif kind == 2:
-        _item(qp, k_base.view(np.int16), v_base.view(np.int16), k_tail.view(np.int16),
-              v_tail.view(np.int16), *args)
-    elif kind == 3:
-        _item(qp, k_base.view(np.int32), v_base.view(np.int32), k_tail.view(np.int32),
-              v_tail.view(np.int32), *args)
-    elif kind == 4:
-        _item(qp, k_base.view(np.uint32), v_base.view(np.uint32), k_tail.view(np.uint32),
-              v_tail.view(np.uint32), *args)
-    else:
-        _item(qp, k_base.view(F32), v_base.view(F32), k_tail.view(F32), v_tail.view(F32), *args)
 
 
 @njit(nogil=True, cache=True)
@@ -658,9 +637,9 @@ class LayerKV(NamedTuple):
     Valid while the four arrays are the ones it was made from (a KV store allocates its arrays
     once)."""
 
-    k_base: np.ndarray  # read-only bytes [Hkv, nb_base, bs, row bytes]
+    k_base: np.ndarray  # read-only [Hkv, nb_base, bs, row] in the format's type (kv_view)
     v_base: np.ndarray
-    k_tail: np.ndarray  # read-only bytes [Hkv, nb_tail_cap, bs, row bytes]
+    k_tail: np.ndarray  # read-only [Hkv, nb_tail_cap, bs, row] in the format's type
     v_tail: np.ndarray
     nb_base: int
     kv_kind: int
@@ -682,8 +661,9 @@ class LayerKV(NamedTuple):
 
 
 def layer_kv(k_base, v_base, k_tail, v_tail, nb_base, kv_kind) -> LayerKV:
-    """The checked, read-only byte views of a layer's K/V arrays (see `attend_blocks`)."""
-    kv = [kv_bytes(name, a, kv_kind) for name, a in
+    """The checked, read-only views of a layer's K/V arrays in their format's element type
+    (see `attend_blocks`)."""
+    kv = [kv_view(name, a, kv_kind) for name, a in
           (("k_base", k_base), ("v_base", v_base), ("k_tail", k_tail), ("v_tail", v_tail))]
     hkv, _, bs, row = k_tail.shape
     d = head_dim_of(kv_kind, row)
@@ -712,8 +692,7 @@ def attend_layer(kv: LayerKV, q, blocks, n_tokens, scale, shifts=None, turns: Tu
         raise ValueError(f"blocks must be [1 or {kv.hkv}, n], got {blocks.shape}")
     n_split = max(1, min(items_per_head(kv.hkv), blocks.shape[1]))
     sh, turns = checked_shifts(shifts, turns, blocks.shape, kv)
-    return _attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, kv.nb_base, blocks,
-                   sh, kv.n_blocks(n_tokens), n_tokens, n_split, F32(scale * LOG2E), kv.perm,
+    return _attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, blocks, sh, kv.n_blocks(n_tokens), n_tokens, n_split, F32(scale * LOG2E), kv.perm,
                    turns.tab, turns.rot)
 
 
@@ -739,7 +718,7 @@ def attend_rows(kv: LayerKV, q, r0: int, r1: int, scale: float) -> np.ndarray:
         raise ValueError(f"rows [{r0}, {r1}) are outside the buffer's {kv.k_tail.shape[1]}")
     ids = readonly(np.arange(r0, r1, dtype=np.int32)[None])  # [1, n] one-row blocks
     n_split = max(1, min(-(-use_threads() // kv.hkv), (r1 - r0) // ROWS_PER_ITEM))
-    return _attend(kv.query(q), kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, 0, ids,
+    return _attend(kv.query(q), kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, 0, ids,
                    _NO_SHIFTS, r1, r1, n_split, F32(scale * LOG2E), kv.perm, _NO_TURNS.tab,
                    _NO_TURNS.rot)[0]
 

@@ -409,42 +409,20 @@ def _lone_task(q, j, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix,
 
 
 @njit(cache=True)
-def _task_kind(q, j, b, q_start, k_base, v_base, k_tail, v_tail, kind, nb_base, g, ix, perm,
-               scale2, out):
-    """`_task` over K/V bytes viewed back as the storage dtype of `kind`."""
-    args = (nb_base, g, ix, perm, scale2, out)
-    if kind == 1:
-        _task(q, j, b, q_start, k_base.view(np.uint16), v_base.view(np.uint16),
-              k_tail.view(np.uint16), v_tail.view(np.uint16), *args)
-    elif kind == 2:
-        _task(q, j, b, q_start, k_base.view(np.int16), v_base.view(np.int16),
-              k_tail.view(np.int16), v_tail.view(np.int16), *args)
-    elif kind == 3:
-        _task(q, j, b, q_start, k_base.view(np.int32), v_base.view(np.int32),
-              k_tail.view(np.int32), v_tail.view(np.int32), *args)
-    elif kind == 4:
-        _task(q, j, b, q_start, k_base.view(np.uint32), v_base.view(np.uint32),
-              k_tail.view(np.uint32), v_tail.view(np.uint32), *args)
-    else:
-        _task(q, j, b, q_start, k_base.view(F32), v_base.view(F32), k_tail.view(F32),
-              v_tail.view(F32), *args)
-
-
-@njit(cache=True)
 def _empty_out(shape0, shape1, shape2):
     return np.empty((shape0, shape1, shape2), F32)
 
 
 @njit(parallel=True, cache=True)
-def _sparse_attend(q, k_base, v_base, k_tail, v_tail, kind, nb_base, q_start, ix, perm, scale2):
+def _sparse_attend(q, k_base, v_base, k_tail, v_tail, nb_base, q_start, ix, perm, scale2):
     hq, length = q.shape[0], q.shape[1]
     g = hq // k_tail.shape[0]
     nqb = (length + QB - 1) // QB
     out = _empty_out(hq, length, q.shape[2])
     for t in prange(k_tail.shape[0] * nqb):
         j, b = t // nqb, nqb - 1 - t % nqb  # the later (longer) blocks first
-        _task_kind(q, j, b, q_start, k_base, v_base, k_tail, v_tail, kind, nb_base, g, ix,
-                   perm, scale2, out)
+        _task(q, j, b, q_start, k_base, v_base, k_tail, v_tail, nb_base, g, ix, perm, scale2,
+              out)
     return out
 
 
@@ -468,8 +446,7 @@ def sparse_attend(kv: LayerKV, q: np.ndarray, q_start: int, index: PrefillIndex,
     ix = (index.r_off, index.r_cnt, np.ascontiguousarray(index.ranges, np.int32), index.c_off,
           index.c_cnt, np.ascontiguousarray(index.cols, np.int32), index.d_off, index.d_cnt,
           np.ascontiguousarray(index.diags, np.int32))
-    return _sparse_attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind, kv.nb_base,
-                          q_start, ix, kv.perm, F32(scale * LOG2E))
+    return _sparse_attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, q_start, ix, kv.perm, F32(scale * LOG2E))
 
 
 # --- estimators ---------------------------------------------------------------------------------
@@ -544,33 +521,18 @@ def _vs_head(qw, hi, j, k_base, k_tail, nb_base, n_tokens, scale2, perm, vert, s
 
 
 @njit(cache=True)
-def _vs_head_kind(qw, hi, j, k_base, k_tail, kind, nb_base, n_tokens, scale2, perm, vert, slash):
-    args = (nb_base, n_tokens, scale2, perm, vert, slash)
-    if kind == 1:
-        _vs_head(qw, hi, j, k_base.view(np.uint16), k_tail.view(np.uint16), *args)
-    elif kind == 2:
-        _vs_head(qw, hi, j, k_base.view(np.int16), k_tail.view(np.int16), *args)
-    elif kind == 3:
-        _vs_head(qw, hi, j, k_base.view(np.int32), k_tail.view(np.int32), *args)
-    elif kind == 4:
-        _vs_head(qw, hi, j, k_base.view(np.uint32), k_tail.view(np.uint32), *args)
-    else:
-        _vs_head(qw, hi, j, k_base.view(F32), k_tail.view(F32), *args)
-
-
-@njit(cache=True)
 def _zeros2(a, b):
     return np.zeros((a, b), F32)
 
 
 @njit(parallel=True, cache=True)
-def _vs_estimate(qw, kv_heads, k_base, k_tail, kind, nb_base, n_tokens, scale2, perm):
+def _vs_estimate(qw, kv_heads, k_base, k_tail, nb_base, n_tokens, scale2, perm):
     ncol = -(-n_tokens // CH) * CH
     vert = _zeros2(qw.shape[0], ncol)
     slash = _zeros2(qw.shape[0], ncol + qw.shape[1])  # reversed: offset o at n_tokens - 1 - o
     for hi in prange(qw.shape[0]):
-        _vs_head_kind(qw, hi, kv_heads[hi], k_base, k_tail, kind, nb_base, n_tokens, scale2,
-                      perm, vert, slash)
+        _vs_head(qw, hi, kv_heads[hi], k_base, k_tail, nb_base, n_tokens, scale2, perm, vert,
+                 slash)
     return vert, slash
 
 
@@ -582,7 +544,7 @@ def vs_estimate(kv: LayerKV, qw: np.ndarray, kv_heads: np.ndarray, n_tokens: int
     qw = np.ascontiguousarray(qw, F32)
     use_threads()
     vert, rev = _vs_estimate(qw, np.ascontiguousarray(kv_heads, np.int64), kv.k_base, kv.k_tail,
-                             kv.kv_kind, kv.nb_base, n_tokens, F32(scale * LOG2E), kv.perm)
+                             kv.nb_base, n_tokens, F32(scale * LOG2E), kv.perm)
     return vert[:, :n_tokens], rev[:, n_tokens - 1:: -1] if n_tokens else rev[:, :0]
 
 
@@ -609,8 +571,7 @@ def pool_keys(kv: LayerKV, b0: int, b1: int, n_tokens: int) -> np.ndarray:
     out = np.empty((kv.hkv, b1 - b0, kv.d), F32)
     if b1 > b0:
         use_threads()
-        dt = {0: F32, 1: np.uint16, 2: np.int16, 3: np.int32, 4: np.uint32}[kv.kv_kind]
-        _pool_keys(kv.k_base.view(dt), kv.k_tail.view(dt), kv.nb_base, b0, b1, n_tokens, out)
+        _pool_keys(kv.k_base, kv.k_tail, kv.nb_base, b0, b1, n_tokens, out)
     return out
 
 

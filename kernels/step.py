@@ -74,12 +74,12 @@ def _choose(per_head, candidates, k, shared, chosen, base, shifts):
 
 @njit(parallel=True, nogil=True, cache=True)
 def _step(q, qsel, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, fixed_sh, base,
-          k_base, v_base, k_tail, v_tail, kind, nb_base, n_blocks, n_tokens, scale, perm, tab, rot,
-          lanes, per, sf, ss):
+          k_base, v_base, k_tail, v_tail, nb_base, n_blocks, n_tokens, scale, perm, tab, rot, lanes,
+          per, sf, ss):
     # q [Hq, d], qsel [Hq, d] the query that scores; anchors bytes [Hkv, nb_cap, A, row];
     # candidates [n], fixed [nf] int32;
     # fixed_sh [nf] or [0] and base (< 0: none): shifts (see select_attend); tab, rot: a Turns;
-    # K/V bytes [Hkv, nb, bs, row bytes]; per / sf / ss: parts per head of the scoring, the fixed
+    # K/V [Hkv, nb, bs, row] (kv_view); per / sf / ss: parts per head of the scoring, the fixed
     # blocks and the chosen ones -> out [Hq, d], lse [Hq], chosen [S, k]
     if not (ids_in_range(candidates.reshape(1, -1), min(n_blocks, anchors.shape[1]))
             and ids_in_range(fixed.reshape(1, -1), n_blocks)):
@@ -118,8 +118,8 @@ def _step(q, qsel, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, fi
                 ids = chosen[row, a:b]
                 sh = csh[row, a:b] if base >= 0 else fixed_sh[:0]
                 item = j * ni + sf + part
-            attend_item(qp[j], k_base, v_base, k_tail, v_tail, kind, nb_base, ids, sh, n_tokens,
-                        j, acc[item], mx[item], den[item], tab, rot)
+            attend_item(qp[j], k_base, v_base, k_tail, v_tail, nb_base, ids, sh, n_tokens, j,
+                        acc[item], mx[item], den[item], tab, rot)
     out, lse = merge_items(acc, mx, den, ni, q.shape[0] // hkv, q.shape[1], perm)
     return out, lse, chosen
 
@@ -183,8 +183,7 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
     # (ad hoc A/Bs at 128K-1M on 2 threads: equal parts took 1.00-1.16x the time)
     split = items_per_head(kv.hkv)
     return _step(q, qsel, av.raw, av.fmt, candidates, bool(quest), k, bool(shared), av.perm, fixed,
-                 fsh[0], base, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.kv_kind,
-                 kv.nb_base, kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm,
+                 fsh[0], base, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm,
                  turns.tab, turns.rot, use_threads(), min(2 * split, candidates.size),
                  min(split, fixed.size), min(2 * split, k))
 

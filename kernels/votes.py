@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._simd import F32, FASTMATH, LOG2E, NEG_INF, exp2_neg, kv_bytes, kv_to_f64, readonly
+from ._simd import F32, FASTMATH, LOG2E, NEG_INF, exp2_neg, kv_to_f64, kv_view, readonly
 from ._vec import (
     W,
     row_addr,
@@ -94,8 +94,8 @@ def _state(n_items, rows, hkv, n_tokens):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _votes(qp, k_base, k_tail, kind, nb_base, n_tokens, nw, real, n_split):
-    # qp [Hkv, R, P] packed scaled rows (head, w); K bytes [Hkv, nb, bs, d*size] -> [Hkv, n_tokens]
+def _votes(qp, k_base, k_tail, nb_base, n_tokens, nw, real, n_split):
+    # qp [Hkv, R, P] packed scaled rows (head, w); K [Hkv, nb, bs, row] (kv_view) -> [Hkv, n_tokens]
     hkv, rows, _ = qp.shape
     nblk = -(-n_tokens // k_tail.shape[2])
     n_items = hkv * n_split
@@ -105,18 +105,8 @@ def _votes(qp, k_base, k_tail, kind, nb_base, n_tokens, nw, real, n_split):
         for item in prange(n_items):
             j, part = item // n_split, item % n_split
             b0, b1 = part * nblk // n_split, (part + 1) * nblk // n_split
-            args = (nb_base, n_tokens, nw, real, j, b0, b1, mx[item], den[item],
-                    none if pas == 0 else lse[j], votes[j])
-            if kind == 1:  # view the bytes back as the storage dtype
-                _part(qp[j], k_base.view(np.uint16), k_tail.view(np.uint16), *args)
-            elif kind == 2:
-                _part(qp[j], k_base.view(np.int16), k_tail.view(np.int16), *args)
-            elif kind == 3:
-                _part(qp[j], k_base.view(np.int32), k_tail.view(np.int32), *args)
-            elif kind == 4:
-                _part(qp[j], k_base.view(np.uint32), k_tail.view(np.uint32), *args)
-            else:
-                _part(qp[j], k_base.view(F32), k_tail.view(F32), *args)
+            _part(qp[j], k_base, k_tail, nb_base, n_tokens, nw, real, j, b0, b1, mx[item],
+                  den[item], none if pas == 0 else lse[j], votes[j])
         if pas == 0:
             for j in range(hkv):  # merge parts: log2-sum-exp per row
                 for r in range(real):
@@ -136,7 +126,7 @@ def query_votes(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
     qw [Hq, W, d] f32, query w at position n_tokens - W + w (causal); K storage per kv_kind.
     Entry [j, t] sums, over KV head j's query heads and the W queries, the softmax weight of key t.
     """
-    kb, kt = kv_bytes("k_base", k_base, kv_kind), kv_bytes("k_tail", k_tail, kv_kind)
+    kb, kt = kv_view("k_base", k_base, kv_kind), kv_view("k_tail", k_tail, kv_kind)
     hkv, _, bs, row = k_tail.shape
     d = head_dim_of(kv_kind, row)
     hq, nw, _ = qw.shape
@@ -147,7 +137,7 @@ def query_votes(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
     rows = readonly(qw, F32).reshape(hq * nw, d)  # rows (head, w) per group
     qp = pack_rows(rows, hkv, channel_perm(d, kv_kind), F32(scale * LOG2E))  # [Hkv, ceil4(gW), P]
     n_split = max(1, min(-(-4 * use_threads() // hkv), -(-n_tokens // bs)))  # >= 4 items a thread
-    return _votes(qp, kb, kt, kv_kind, nb_base, n_tokens, nw, (hq // hkv) * nw, n_split)
+    return _votes(qp, kb, kt, nb_base, n_tokens, nw, (hq // hkv) * nw, n_split)
 
 
 def query_votes_ref(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):

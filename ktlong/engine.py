@@ -21,7 +21,13 @@ from ktlong.config import Settings, reads_patterns
 from ktlong.errors import KtlongError
 from ktlong.fit import prefill_chunk
 from ktlong.kvstore import KVStore, StoreShape
-from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
+from ktlong.memory import (
+    free_dram_bytes,
+    gb,
+    kv_bytes_per_token,
+    limit_heap_retention,
+    resolve_tier,
+)
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
 from ktlong.slidingkv import SlidingKV
@@ -188,9 +194,9 @@ class Session:
         inv_freq = None if inv_freq is None else inv_freq.detach().double().cpu()
         if inv_freq is not None:  # [rot/2]: turned reads (positions) of the store's layers
             self.policy.inv_freq = inv_freq.numpy()
-        if self.store.mapped:  # room for a few steps' blocks before mapped pages are released
+        if self.store.mapped:  # how much of a mapped entry may stay resident
             step = self.policy.budget_blocks() * self.store.block_bytes * shape.n_layers
-            self.store.map_cap = max(self.store.map_cap, 2 * step)
+            self.store.bound_residency(step, free_dram_bytes())
         local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
         chunk_attention = None
         if reads_patterns(settings):

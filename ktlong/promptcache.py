@@ -510,8 +510,7 @@ def convert_store(src: KVStore, shape: StoreShape, capacity: int,
         na = src.n_anchored[layer]
         dst.anchors[layer][:, :na] = src.anchors[layer][:, :na]
         dst.n_anchored[layer] = na
-        if src.mapped:
-            src.release_mapped()
+        src.check_resident()
     dst.copy_layer_cos(src)
     dst.window_rows = src.window_rows
     return dst

@@ -378,8 +378,8 @@ class SelectionPolicy:
             inv_freq=self.anchor_freq(),
         )
         self.store.n_anchored[layer] = max(self.store.n_anchored[layer], last)
-        if first < self.store.nb_base and self.store.mapped:
-            self.store.release_mapped()  # a sweep over the mapped blocks: hand the pages back
+        if first < self.store.nb_base:
+            self.store.check_resident()  # a sweep over the mapped blocks
 
     # --- prefill hooks -----------------------------------------------------------------------
     def on_prefill_end(self, captured: dict[int, torch.Tensor], n_tokens: int) -> None:
@@ -413,8 +413,7 @@ class SelectionPolicy:
                 self.scale,
                 self.store.kv_kind,
             )  # [Hkv, n]
-            if self.store.mapped:
-                self.store.release_mapped()  # the vote swept every mapped key of this layer
+            self.store.check_resident()  # the vote swept every mapped key of this layer
             if need_dyn:
                 first = self.store.n_anchored[layer]
                 self._anchors(layer, first, n_full, "DYNAMIC", votes)
@@ -470,8 +469,7 @@ class SelectionPolicy:
             if self.s.question_votes == "NEAR" and self.inv_freq is not None:  # as read
                 vote += near_votes(self.store, layer, q, n_tokens, local0, self.inv_freq,
                                    float(self.scale), self.doc_start if head else 0)
-                if self.store.mapped:
-                    self.store.release_mapped()
+                self.store.check_resident()
                 continue
             W = q.shape[1]
             k_base, _, k_tail, _, nb_base = self.store.kernel_args(layer)
@@ -484,8 +482,7 @@ class SelectionPolicy:
                 per_block = v[:, : local0 * self.bs].reshape(-1, local0, self.bs).sum(2)
                 np.maximum(best, per_block.max(0), out=best)
             vote += best
-            if self.store.mapped:
-                self.store.release_mapped()
+            self.store.check_resident()
         order = cand[np.argsort(-vote[cand], kind="stable")]
         self.vote_orders.append(order)
         if head:  # the init blocks are read anyway; first in the vote, their text again

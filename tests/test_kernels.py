@@ -3,6 +3,8 @@ query_votes. Shapes, GQA ratios, block sizes, partial last blocks, SHARED / SEPA
 splits (nb_base 0 included) and every KV format are drawn from seeded generators."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -157,12 +159,32 @@ def test_memory_mapped_base_uses_the_same_compiled_kernel(tmp_path):
     rng = np.random.default_rng(6)
     q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, kind = draw(rng, 4, 16, 1, True)
     want = K.attend_blocks(q, kb, vb, kt, vt, nb_base, blocks, n_tokens, scale, kind)
+    before = set(attention._attend.signatures)
     kb.tofile(tmp_path / "k")
     vb.tofile(tmp_path / "v")
     km, vm = (np.memmap(tmp_path / n, np.uint16, "r", shape=kb.shape) for n in "kv")
     got = K.attend_blocks(q, km, vm, kt, vt, nb_base, blocks, n_tokens, scale, kind)
     np.testing.assert_array_equal(got[0], want[0])
-    assert len(attention._attend.signatures) == 1
+    assert set(attention._attend.signatures) == before
+
+
+def test_a_kv_type_compiles_its_own_code_only():
+    """Each KV format compiles a kernel signature of its own, and only when it is used: a cold
+    start with BF16 KV compiles no FP16, Q8_0 or Q4_0 code (every format in one signature cost a
+    fresh install minutes of compiling)."""
+    code = ("import numpy as np; from ktlong import kernels as K; "
+            "from ktlong.kernels import attention; "
+            "from ktlong.kernels._simd import kv_view; "
+            "rng = np.random.default_rng(0); "
+            "k = rng.integers(0, 1 << 14, (1, 2, 16, 64), dtype=np.uint16); "
+            "q = rng.standard_normal((2, 64), dtype=np.float32); "
+            "K.attend_blocks(q, k[:, :0], k[:, :0], k, k, 0, np.array([[0, 1]], np.int32), 32, "
+            "0.125, 1); "
+            "print(sorted({str(s[1].dtype) for s in attention._attend.signatures}), "
+            "kv_view('k', np.zeros((1, 1, 1, 68), np.uint8), 3).dtype)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["['uint16']", "int32"]
 
 
 def test_attend_rejects_bad_input():

@@ -219,7 +219,7 @@ RSS_SHAPE = dict(layers=2, hidden=1024, heads=8, kv_heads=8, head_dim=128, inter
 def _rss_worker(model: str, cache_dir: str, n: int) -> dict[str, Any]:
     """Decode 32 tokens from a cache entry of `n` tokens, three times from the same state: with
     the page cache cold (the blocks come from disk), then warm with the mapped pages bounded
-    (the default `map_cap`), then warm with them left mapped. Peak RSS of each."""
+    (to two steps' reads, as an entry larger than half the free memory is), then warm with them left mapped. Peak RSS of each."""
     import dataclasses
 
     from ktlong.config import Settings
@@ -239,7 +239,7 @@ def _rss_worker(model: str, cache_dir: str, n: int) -> dict[str, Any]:
     opened = open_document(lm, st, ids, cache_dir=Path(cache_dir))
     out: dict[str, Any] = {"source": opened.source, "entry_bytes": entry.size, "tokens": n,
                            "rss_before_bytes": before, "open_s": time.perf_counter() - t0}
-    s, cap = opened.session, opened.session.store.map_cap
+    s, cap = opened.session, opened.session.store.step_cap  # bounded as an entry past RAM is
     for mode, c in (("cold", cap), ("bounded", cap), ("unbounded", 1 << 62)):
         s.truncate(n)  # the same state for both runs
         s.prefill([ids[-1]])
