@@ -692,7 +692,8 @@ def attend_layer(kv: LayerKV, q, blocks, n_tokens, scale, shifts=None, turns: Tu
         raise ValueError(f"blocks must be [1 or {kv.hkv}, n], got {blocks.shape}")
     n_split = max(1, min(items_per_head(kv.hkv), blocks.shape[1]))
     sh, turns = checked_shifts(shifts, turns, blocks.shape, kv)
-    return _attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, blocks, sh, kv.n_blocks(n_tokens), n_tokens, n_split, F32(scale * LOG2E), kv.perm,
+    return _attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, blocks, sh,
+                   kv.n_blocks(n_tokens), n_tokens, n_split, F32(scale * LOG2E), kv.perm,
                    turns.tab, turns.rot)
 
 

@@ -446,7 +446,8 @@ def sparse_attend(kv: LayerKV, q: np.ndarray, q_start: int, index: PrefillIndex,
     ix = (index.r_off, index.r_cnt, np.ascontiguousarray(index.ranges, np.int32), index.c_off,
           index.c_cnt, np.ascontiguousarray(index.cols, np.int32), index.d_off, index.d_cnt,
           np.ascontiguousarray(index.diags, np.int32))
-    return _sparse_attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, q_start, ix, kv.perm, F32(scale * LOG2E))
+    return _sparse_attend(q, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, q_start, ix,
+                          kv.perm, F32(scale * LOG2E))
 
 
 # --- estimators ---------------------------------------------------------------------------------

@@ -183,8 +183,9 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
     # (ad hoc A/Bs at 128K-1M on 2 threads: equal parts took 1.00-1.16x the time)
     split = items_per_head(kv.hkv)
     return _step(q, qsel, av.raw, av.fmt, candidates, bool(quest), k, bool(shared), av.perm, fixed,
-                 fsh[0], base, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base, kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm,
-                 turns.tab, turns.rot, use_threads(), min(2 * split, candidates.size),
+                 fsh[0], base, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base,
+                 kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm, turns.tab,
+                 turns.rot, use_threads(), min(2 * split, candidates.size),
                  min(split, fixed.size), min(2 * split, k))
 
 

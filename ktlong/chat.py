@@ -32,6 +32,7 @@ from ktlong.documents import Document, read_document
 from ktlong.errors import KtlongError
 
 PROGRESS_MIN_TOKENS = 2048  # a turn shorter than this prefills without a progress bar
+FIRST_TURN_TOKENS = 512  # room for a first question when the chat warms its kernels
 
 
 def is_interrupt(e: BaseException | None) -> bool:
@@ -130,10 +131,10 @@ class ChatLoop:
         from ktlong.engine import Session
         from ktlong.promptcache import Opened, open_document
 
-        self._tell_if_kernels_compile()
+        ids = self.conv.document_ids()
+        self._tell_if_kernels_compile(len(ids))
         self.session = None
         gc.collect()  # a previous session's KV store goes before the new one is made
-        ids = self.conv.document_ids()
         with self.ui.progress("reading the document") as progress:
             if ids:
                 opened = open_document(self.lm, self.settings, ids, progress, self.use_cache,
@@ -276,15 +277,18 @@ class ChatLoop:
                 s.extend_to(ids)
             self._shift_notes.append(told)
 
-    def _tell_if_kernels_compile(self) -> None:
-        """Before the first prefill: compile (or load) every kernel this chat runs, saying so
-        first when some are not compiled yet (ktlong.warmup), so no answer pauses for them."""
+    def _tell_if_kernels_compile(self, doc_tokens: int) -> None:
+        """Before the first prefill: compile (or load) the kernels this chat runs over a
+        document of doc_tokens and a first answer, saying so first when some are not compiled yet
+        (ktlong.warmup), so no answer pauses for them. A chat that outgrows that compiles the
+        rest before the prefill or answer that needs them."""
         if self._kernels_told:
             return
         self._kernels_told = True
         from ktlong.warmup import warm_up
 
-        warm_up(self.lm, self.settings, note=self.ui.note)
+        n = doc_tokens + FIRST_TURN_TOKENS + self.sampling.max_new_tokens
+        warm_up(self.lm, self.settings, note=self.ui.note, n_tokens=n)
 
     def lead_ids(self) -> list[int]:
         """The lead's ids, as they follow the answer cue (none without a lead)."""

@@ -229,7 +229,13 @@ class Session:
         # head, the system prompt); None: an empty conversation's under the default prompt
         self.template_head: list[int] | None = None
         self._default_head: list[int] | None = None
-        warm_up(lm, settings)  # every kernel this session runs, compiled before it is timed
+        self.warm(0)  # the kernels of any context; a longer one's before its prefill or answer
+
+    def warm(self, n_tokens: int) -> None:
+        """Compile (or load) the kernels a context of n_tokens runs, before anything is timed."""
+        ca = self.router.chunk_attention
+        warm_up(self.lm, self.settings, n_tokens=n_tokens,
+                dense_below=None if ca is None else ca.dense_below)
 
     def _set_threads(self) -> None:
         """`threads_num`, or with 0 the cores idle right now (kernels/threads.py: a thread on
@@ -397,6 +403,7 @@ class Session:
         if not ids:
             raise KtlongError("nothing to prefill: the prompt is empty")
         self.check_fits(len(ids))
+        self.warm(self.pos + len(ids))
         self._set_threads()
         t0, c0 = time.perf_counter(), compile_seconds()
         sparse = bool(self.tokens) and self.policy.sparse_for(self.pos + len(ids))
@@ -501,6 +508,7 @@ class Session:
             gen = torch.Generator()
             gen.manual_seed(sampling.seed if sampling.seed >= 0 else int(time.time_ns() % 2**31))
         tok = self.lm.tokenizer
+        self.warm(self.pos + sampling.max_new_tokens)
         self._set_threads()
         out_ids = list(after)
         stats, text = self.stats, tok.decode(out_ids, skip_special_tokens=True) if after else ""

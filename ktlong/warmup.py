@@ -4,17 +4,20 @@ of the timings.
 A kernel compiles (2–4 s a signature; tens of seconds for a whole run) the first time it meets a
 new signature, and is then loaded from Numba's on-disk cache (`ktlong.kernels.cache_dir()`). So
 that the first prefill and the first decode step of a new version (or a new model's weight types)
-do not pay it, `warm_up(lm, settings)` — called by every `Session` before its first prefill, and by
-the chat before it reads the document — runs each kernel once on tiny inputs through the same code
-(store, selection policy, attention router, weight modules) the run uses, so the signatures are
-the run's own. Warm-up is split into parts (decode attention for a KV type and anchor type, sparse
-prefill for the patterns of the plan, GEMV/dequant for one weight type); a part warmed once leaves
-a marker beside the compiled kernels, and a part without one is announced first ("compiling
-kernels, once, ~N s").
+do not pay it, `warm_up(lm, settings, n_tokens)` runs each kernel once on tiny inputs through the
+same code (store, selection policy, attention router, weight modules) the run uses, so the
+signatures are the run's own. Warm-up is split into parts (decode attention read whole, the sparse
+decode's choice and votes, sparse prefill for the patterns of the plan, GEMV/dequant for one weight
+type), and only the parts a context of `n_tokens` uses are run: a short document's first answer
+compiles no sparse kernel. The chat warms for its document before reading it; a `Session` warms
+for each prefill and answer before it starts (so a context that grows sparse compiles then, not in
+the middle of a token). A part warmed once leaves a marker beside the compiled kernels, and a part
+without one is announced first ("compiling kernels, once, ~N s").
 
 `compile_seconds()` is the running total of time spent compiling in this process (Numba's
 `numba:compile` events); the engine subtracts what accrues during a prefill or a decode from its
-stats, so a signature the warm-up missed still never shows up as slow tokens.
+stats, so a signature the warm-up missed still never shows up as slow tokens, and
+`stray_compile_seconds()` is the part of it spent outside a warm-up (the tests hold it at 0).
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ Note = Callable[[str], None]
 
 # seconds a cold part takes to compile on a 2-core machine (refined by the measured times kept in
 # <numba-cache>/warmup-times.json, which outlive a version's cache folder)
-ESTIMATE_S = {"decode": 80.0, "prefill": 35.0, "weights": 5.0}
+ESTIMATE_S = {"decode": 40.0, "sparse": 60.0, "prefill": 45.0, "weights": 10.0}
 
 _lock = threading.RLock()
 _done: set[str] = set()  # parts warmed in this process
+_warm_s = 0.0  # compile seconds spent inside warm_up
+_warmed: set[tuple[Any, Any]] = set()  # (dispatcher, signature) that appeared inside warm_up
 
 
 class _CompileClock(event.Listener):
@@ -69,6 +74,24 @@ event.register("numba:compile", _CLOCK)  # compiles run under Numba's global loc
 def compile_seconds() -> float:
     """Seconds this process has spent compiling Numba kernels so far."""
     return _CLOCK.total
+
+
+def stray_compile_seconds() -> float:
+    """Seconds this process has compiled outside `warm_up`: a signature no warm-up covered."""
+    return compile_seconds() - _warm_s
+
+
+def unwarmed_signatures() -> dict[str, set[Any]]:
+    """Kernel name -> the signatures this process compiled or loaded outside `warm_up`: what
+    a warm-up missed (nothing, where every kernel ran first in a warm-up)."""
+    out: dict[str, set[Any]] = {}
+    for d, sig in _signatures() - _warmed:
+        out.setdefault(d.__name__, set()).add(sig)
+    return out
+
+
+def _signatures() -> set[tuple[Any, Any]]:
+    return {(d, sig) for d in _dispatchers() for sig in d.signatures}
 
 
 def compile_stats() -> tuple[int, int]:
@@ -102,18 +125,38 @@ class Part:
     run: Callable[[], None]
 
 
-def parts(lm: Any, settings: Any) -> list[Part]:
-    """What `warm_up` would run for this model and settings, in order."""
+def sparse_at(settings: Any, n_tokens: int) -> bool:
+    """Whether a context of n_tokens may be read sparsely under `settings` (the selection
+    policy's test, with the smallest budget any layer may get)."""
+    s = settings
+    if s.attention in ("DENSE", "LOCRET"):
+        return False
+    k = s.second_select_num if s.layer_budget == "UNIFORM" else 0
+    fixed = s.init_len // s.block_size + s.local_windows_len // s.block_size + 1
+    return -(-n_tokens // s.block_size) > fixed + k
+
+
+def parts(lm: Any, settings: Any, n_tokens: int | None = None,
+          dense_below: int | None = None) -> list[Part]:
+    """What `warm_up` would run for this model and settings, in order: for a context of up to
+    n_tokens (None: any length); a prefill reads through its patterns past `dense_below` tokens
+    (default: ktlong.minference.DENSE_BELOW)."""
     from ktlong.config import reads_patterns
+    from ktlong.minference import DENSE_BELOW
+
+    dense_below = DENSE_BELOW if dense_below is None else dense_below
 
     s = settings
     local = bool(s.gpu_local_window and lm.device.type == "cuda")
     votes = int(s.preselect_block) + 2 * int(s.question_blocks > 0) \
         + 4 * int(s.question_blocks > 0 and s.question_votes == "NEAR")
-    out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{votes}"
-                f"-nb{int(s.select_neighbours or s.spread_blocks > 0)}-local{int(local)}", "decode",
-                lambda: _attention(lm, s, None))]
-    if reads_patterns(s):
+    out = [Part(f"decode-{s.kv_type}-{s.anchor_type}-local{int(local)}", "decode",
+                lambda: _attention(lm, s, None, sparse=False))]
+    if n_tokens is None or sparse_at(s, n_tokens):
+        out.append(Part(f"sparse-{s.kv_type}-{s.anchor_type}-{s.attention}-pre{votes}"
+                        f"-nb{int(s.select_neighbours or s.spread_blocks > 0)}-local{int(local)}",
+                        "sparse", lambda: _attention(lm, s, None)))
+    if reads_patterns(s) and (n_tokens is None or n_tokens > dense_below):
         from ktlong.minference import resolve_plan
 
         kinds = sorted({p.kind for row in resolve_plan(lm.spec, s).layers for p in row})
@@ -150,12 +193,14 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def warm_up(lm: Any, settings: Any, note: Note | None = None) -> float:
-    """Load or compile every kernel `lm` under `settings` will run (once per process and
-    configuration); says so through `note` (default: a line on stderr) when some must compile.
-    Returns the seconds spent compiling."""
+def warm_up(lm: Any, settings: Any, note: Note | None = None,
+            n_tokens: int | None = None, dense_below: int | None = None) -> float:
+    """Load or compile every kernel `lm` under `settings` will run over a context of up to
+    n_tokens (None: any; once per process and configuration); says so through `note` (default:
+    a line on stderr) when some must compile. Returns the seconds spent compiling."""
+    global _warm_s
     with _lock:
-        todo = [p for p in parts(lm, settings) if p.key not in _done]
+        todo = [p for p in parts(lm, settings, n_tokens, dense_below) if p.key not in _done]
         if not todo:
             return 0.0
         from ktlong import kernels
@@ -164,13 +209,15 @@ def warm_up(lm: Any, settings: Any, note: Note | None = None) -> float:
         if cold:
             (note or _stderr)(f"compiling kernels, once, ~{_estimate(cold):.0f} s "
                               f"(cached in {kernels.cache_dir()})")
-        c0 = compile_seconds()
+        c0, had = compile_seconds(), _signatures()
         for p in todo:
             t0 = compile_seconds()
             p.run()
             _done.add(p.key)
             if p in cold:  # the same Part objects
                 _mark(p, compile_seconds() - t0)
+        _warm_s += compile_seconds() - c0
+        _warmed.update(_signatures() - had)
         return compile_seconds() - c0
 
 
@@ -216,7 +263,15 @@ def _weight_parts(model: Any) -> dict[str, Callable[[], None]]:
         elif isinstance(mod, HalfLinear):
             out.setdefault(f"weights-{str(mod.half).removeprefix('torch.')}",
                            lambda m=mod: _half_linear(m))
+        elif type(mod) is torch.nn.Linear and mod.weight.dtype == torch.float32:
+            out.setdefault("weights-float32", _f32_linear)  # the CPU decoder's GEMV of it
     return out
+
+
+def _f32_linear() -> None:
+    from ktlong import kernels
+
+    kernels.gemv(np.zeros((2, 8), np.float32), np.zeros(8, np.float32), 0)
 
 
 def _quant_linear(mod: Any) -> None:
@@ -267,11 +322,13 @@ def _layer_ops() -> None:
 
 
 # --- attention -----------------------------------------------------------------------------------
-def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
+def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None,
+               sparse: bool = True) -> None:
     """A two-layer store of the run's KV type, head_dim and block size (one KV head): a prefill
     (layer 0 dense, layer 1 sparse), its votes and anchors, then sparse decode steps — through
     the run's own router and policy. With `prefill_kinds`, only the prefill, each MInference
-    pattern kind in turn."""
+    pattern kind in turn; without `sparse`, decode steps that read every block and the anchors
+    (a context the budget covers)."""
     from ktlong.attention import AttentionRouter
     from ktlong.kvstore import KVStore, StoreShape
     from ktlong.selection import SelectionPolicy
@@ -286,6 +343,10 @@ def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None) -> None:
         preselect_window=min(settings.preselect_window, 64),
         question_window=min(settings.question_window, 8), prefill_vertical=16,
         prefill_slash=16, prefill_patterns="")
+    if not sparse:  # every block read: no choice, no vote
+        ws = dataclasses.replace(ws, attention="DENSE", preselect_block=False, question_blocks=0,
+                                 anchor_type="MEAN" if ws.anchor_type == "DYNAMIC"
+                                 else ws.anchor_type)
     spec = dataclasses.replace(lm.spec, n_layers=2, n_heads=hq, n_kv_heads=hkv, sliding_layers=())
     dev = lm.device
     local = dev if settings.gpu_local_window and dev.type == "cuda" else None

@@ -293,6 +293,7 @@ def test_full_disk_keeps_the_chat_and_leaves_no_partial_entry(lm, tmp_path, monk
 def test_kill_during_write_leaves_nothing_that_loads(lm, tmp_path):
     """A writer killed with SIGKILL mid-write leaves only a temp file, which is never opened."""
     script = textwrap.dedent(f"""
+        import sys; sys.path.append({os.getcwd()!r})  # after site-packages (see test_warmup)
         import os, time, ktlong.promptcache as pc
         from ktlong.model import load_model
         from tests.models import hf_model, settings
@@ -308,8 +309,8 @@ def test_kill_during_write_leaves_nothing_that_loads(lm, tmp_path):
         pc.open_document(lm, settings(), ids, cache_dir=pc.Path({str(tmp_path)!r}))
     """)
     (tmp_path / "doc.txt").write_text(filler_text(900, seed=5))
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    p = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, stdout=subprocess.PIPE,
+                         text=True)
     assert p.stdout.readline().strip() == "start"
     deadline = time.time() + 120
     while time.time() < deadline and not list((tmp_path / "entries").glob("*.tmp-*")):

@@ -219,7 +219,8 @@ RSS_SHAPE = dict(layers=2, hidden=1024, heads=8, kv_heads=8, head_dim=128, inter
 def _rss_worker(model: str, cache_dir: str, n: int) -> dict[str, Any]:
     """Decode 32 tokens from a cache entry of `n` tokens, three times from the same state: with
     the page cache cold (the blocks come from disk), then warm with the mapped pages bounded
-    (to two steps' reads, as an entry larger than half the free memory is), then warm with them left mapped. Peak RSS of each."""
+    (to two steps' reads, as an entry larger than half the free memory is), then warm with them
+    left mapped. Peak RSS of each."""
     import dataclasses
 
     from ktlong.config import Settings
