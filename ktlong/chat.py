@@ -279,16 +279,15 @@ class ChatLoop:
 
     def _tell_if_kernels_compile(self, doc_tokens: int) -> None:
         """Before the first prefill: compile (or load) the kernels this chat runs over a
-        document of doc_tokens and a first answer, saying so first when some are not compiled yet
-        (ktlong.warmup), so no answer pauses for them. A chat that outgrows that compiles the
-        rest before the prefill or answer that needs them."""
+        document of doc_tokens and a first question, saying so first when some are not compiled
+        yet (ktlong.warmup). A chat that outgrows that compiles the rest (once per install) before
+        the prefill or the token that needs them, with its time left out of the speeds."""
         if self._kernels_told:
             return
         self._kernels_told = True
         from ktlong.warmup import warm_up
 
-        n = doc_tokens + FIRST_TURN_TOKENS + self.sampling.max_new_tokens
-        warm_up(self.lm, self.settings, note=self.ui.note, n_tokens=n)
+        warm_up(self.lm, self.settings, note=self.ui.note, n_tokens=doc_tokens + FIRST_TURN_TOKENS)
 
     def lead_ids(self) -> list[int]:
         """The lead's ids, as they follow the answer cue (none without a lead)."""

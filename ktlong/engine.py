@@ -229,13 +229,17 @@ class Session:
         # head, the system prompt); None: an empty conversation's under the default prompt
         self.template_head: list[int] | None = None
         self._default_head: list[int] | None = None
-        self.warm(0)  # the kernels of any context; a longer one's before its prefill or answer
+        self._warm_n = 0  # contexts up to this many tokens have their kernels
+        self.warm(0)  # the kernels of any context; a longer one's before the token that needs them
 
     def warm(self, n_tokens: int) -> None:
         """Compile (or load) the kernels a context of n_tokens runs, before anything is timed."""
+        if n_tokens <= self._warm_n and n_tokens:
+            return
         ca = self.router.chunk_attention
         warm_up(self.lm, self.settings, n_tokens=n_tokens,
                 dense_below=None if ca is None else ca.dense_below)
+        self._warm_n = max(self._warm_n, n_tokens)
 
     def _set_threads(self) -> None:
         """`threads_num`, or with 0 the cores idle right now (kernels/threads.py: a thread on
@@ -508,7 +512,6 @@ class Session:
             gen = torch.Generator()
             gen.manual_seed(sampling.seed if sampling.seed >= 0 else int(time.time_ns() % 2**31))
         tok = self.lm.tokenizer
-        self.warm(self.pos + sampling.max_new_tokens)
         self._set_threads()
         out_ids = list(after)
         stats, text = self.stats, tok.decode(out_ids, skip_special_tokens=True) if after else ""
@@ -526,6 +529,7 @@ class Session:
                 if make_room is not None and self.pos + 1 > self.store.capacity:
                     make_room(sampling.max_new_tokens - i - 1)
                 self.check_fits(1)
+                self.warm(self.pos + 1)  # a context that outgrows the budget: once, at that token
                 self.logits = self._forward([token], None, sparse=True)[-1]
             dt = max(0.0, time.perf_counter() - t0 - (compile_seconds() - c0))  # nor here
             if (i + 1) % RETHREAD_TOKENS == 0:

@@ -27,6 +27,11 @@ QUERY_TILE = 128  # a chunk's queries per attention call: each reads tile + wind
 # the whole chunk (Gemma 3 270M at a 1,024-token chunk: 2.2x less time in these layers)
 
 
+def window_kind(kv_type: str) -> int:
+    """The kv_kind of a window's rows under a store of kv_type: a quantised store's are bf16."""
+    return 1 if kv_type in QUANT_KV else KV_TYPES[kv_type][2]
+
+
 class SlidingKV:
     """Per sliding layer a buffer [Hkv, cap, d] of float32 or 16-bit rows: rows [off, off + n)
     hold positions [first, first + n). Rows fall out of the window by moving `off` (and
@@ -37,8 +42,8 @@ class SlidingKV:
                  window: int, kv_type: str = "FP32") -> None:
         self.layers, self.window = layers, window
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
-        _, self.dtype, kind = KV_TYPES[kv_type]  # quantised stores: bf16 rows
-        self.kind = 1 if kv_type in QUANT_KV else kind  # the attention kernel's kv_kind
+        self.dtype = KV_TYPES[kv_type][1]  # quantised stores: bf16 rows
+        self.kind = window_kind(kv_type)  # the attention kernel's kv_kind
         self.kb = {layer: self._empty(0) for layer in layers}
         self.vb = {layer: self._empty(0) for layer in layers}
         self.off = {layer: 0 for layer in layers}  # buffer row of the first kept position

@@ -38,9 +38,9 @@ from numba.core import event
 
 Note = Callable[[str], None]
 
-# seconds a cold part takes to compile on a 2-core machine (refined by the measured times kept in
-# <numba-cache>/warmup-times.json, which outlive a version's cache folder)
-ESTIMATE_S = {"decode": 40.0, "sparse": 60.0, "prefill": 45.0, "weights": 10.0}
+# seconds a cold part takes to compile on a 2-core machine (refined by the measured times, per part
+# and per kind, kept in <numba-cache>/warmup-times.json, which outlive a version's cache folder)
+ESTIMATE_S = {"decode": 33.0, "sparse": 26.0, "prefill": 20.0, "weights": 4.0}
 
 _lock = threading.RLock()
 _done: set[str] = set()  # parts warmed in this process
@@ -162,10 +162,12 @@ def parts(lm: Any, settings: Any, n_tokens: int | None = None,
         kinds = sorted({p.kind for row in resolve_plan(lm.spec, s).layers for p in row})
         out.append(Part(f"prefill-{s.kv_type}-{'+'.join(kinds)}-{lm.device.type}", "prefill",
                         lambda: _attention(lm, s, kinds)))
-    for key, fn in _weight_parts(lm.model).items():
+    for key, fn in _weight_parts(lm.model, s.prefill_matmul).items():
         out.append(Part(key, "weights", fn))
     if lm.device.type == "cpu":
         out.append(Part("layer-ops", "weights", _layer_ops))
+        if lm.spec.sliding_layers:
+            out.append(Part(f"window-{s.kv_type}", "weights", lambda: _window_rows(s.kv_type)))
     return out
 
 
@@ -186,7 +188,7 @@ def _estimate(cold: list[Part]) -> float:
         known = json.loads(_times_file().read_text())
     except (OSError, ValueError):
         known = {}
-    return sum(float(known.get(p.kind, ESTIMATE_S[p.kind])) for p in cold)
+    return sum(float(known.get(p.key, known.get(p.kind, ESTIMATE_S[p.kind]))) for p in cold)
 
 
 def _stderr(text: str) -> None:
@@ -232,7 +234,7 @@ def _mark(p: Part, seconds: float) -> None:
                 known = json.loads(f.read_text())
             except (OSError, ValueError):
                 known = {}
-            known[p.kind] = round(seconds, 1)
+            known[p.key] = known[p.kind] = round(seconds, 1)
             tmp = f.with_name(f"{f.name}.{os.getpid()}")
             tmp.write_text(json.dumps(known))
             os.replace(tmp, f)
@@ -247,17 +249,24 @@ def work_clock() -> float:
 
 
 # --- weights -------------------------------------------------------------------------------------
-def _weight_parts(model: Any) -> dict[str, Callable[[], None]]:
+def _weight_parts(model: Any, prefill_matmul: str) -> dict[str, Callable[[], None]]:
     """One warm-up per distinct weight kernel signature: decode GEMV (one row), prefill tiles
-    (two rows) and embedding rows, on the first two rows of a real tensor of each type."""
-    from ktlong.weights import HalfLinear, QuantEmbedding, QuantLinear
+    (two rows, dequantised to the precisions `prefill_matmul` multiplies in on this CPU) and
+    embedding rows, on the first two rows of a real tensor of each type."""
+    from ktlong.weights import GatedMLP, HalfLinear, QuantEmbedding, QuantLinear, bf16_prefill
 
+    widths = [m.in_features if isinstance(m, (HalfLinear, QuantLinear)) else
+              m.down_proj.out_features for m in model.modules()
+              if isinstance(m, (HalfLinear, QuantLinear, GatedMLP))]  # as set_prefill_matmul
+    tiles = tuple(sorted({torch.bfloat16 if bf16_prefill(w, prefill_matmul) else torch.float32
+                          for w in widths}, key=str))
+    mm = "+".join(str(t).removeprefix("torch.") for t in tiles)
     out: dict[str, Callable[[], None]] = {}
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             k = mod.in_features
-            out.setdefault(f"weights-{mod.qt.name}-k{k % 256 == 0:d}{k % 64 == 0:d}",
-                           lambda m=mod: _quant_linear(m))
+            out.setdefault(f"weights-{mod.qt.name}-k{k % 256 == 0:d}{k % 64 == 0:d}-{mm}",
+                           lambda m=mod: _quant_linear(m, tiles))
         elif isinstance(mod, QuantEmbedding):
             out.setdefault(f"weights-emb-{mod.table.qt.name}", lambda m=mod: _quant_embedding(m))
         elif isinstance(mod, HalfLinear):
@@ -274,15 +283,15 @@ def _f32_linear() -> None:
     kernels.gemv(np.zeros((2, 8), np.float32), np.zeros(8, np.float32), 0)
 
 
-def _quant_linear(mod: Any) -> None:
+def _quant_linear(mod: Any, tiles: tuple[torch.dtype, ...]) -> None:
     from ktlong.weights import QuantLinear
 
     small = QuantLinear(mod.raw[:2], mod.qt.name, mod.in_features)
     with torch.inference_mode():
         small(torch.zeros(1, mod.in_features))  # decode: (q)gemv
-        small(torch.zeros(2, mod.in_features))  # prefill: dequantised tiles
-        small.mm_dtype = torch.bfloat16
-        small(torch.zeros(2, mod.in_features))  # prefill: tiles dequantised to bf16
+        for dt in tiles:  # prefill: tiles dequantised to float32 or bf16
+            small.mm_dtype = dt
+            small(torch.zeros(2, mod.in_features))
 
 
 def _quant_embedding(mod: Any) -> None:
@@ -304,7 +313,7 @@ def _half_linear(mod: Any) -> None:
 
 def _layer_ops() -> None:
     """The decode step's own small kernels (ktlong.decoder): norms of a vector and of heads,
-    RoPE, the gated activation, attention over a sliding window's rows."""
+    RoPE, the gated activation."""
     import numpy as np
 
     from ktlong import kernels
@@ -317,8 +326,17 @@ def _layer_ops() -> None:
     kernels.qk_rope(x2, x2, w, w, 1e-6, 1e-6, True, w, w)
     kernels.add_norm(x, x.copy(), w, 1e-6, w, 1e-6, True, np.empty_like(x))
     kernels.gated(x, w, False)
-    rows = np.ones((1, 4, 8), np.float32)  # [Hkv, cap, d]
-    kernels.attend_rows(kernels.rows_kv(rows, rows), x2, 1, 3, 0.5)
+
+
+def _window_rows(kv_type: str) -> None:
+    """Attention over a sliding window's rows (ktlong.slidingkv), in the rows' format."""
+    from ktlong import kernels
+    from ktlong.slidingkv import window_kind
+
+    kind = window_kind(kv_type)
+    rows = np.zeros((1, 4, 8), np.uint16 if kind else np.float32)  # [Hkv, cap, d]
+    kernels.attend_rows(kernels.rows_kv(rows, rows, kind), np.ones((2, 8), np.float32), 1, 3,
+                        0.5)
 
 
 # --- attention -----------------------------------------------------------------------------------
