@@ -26,4 +26,21 @@ def _omp_defaults() -> None:
 
 _omp_defaults()
 
+
+def _unshadow_kernels() -> None:
+    """Run from the repository's root (`python -m ktlong`, a test child), the current folder
+    heads sys.path and its kernels/ (ktlong.kernels' source) would shadow the `kernels` package
+    transformers imports: that entry goes after site-packages."""
+    import sys
+
+    here = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    ours = _os.path.join(here, "kernels", "__init__.py")
+    for entry in list(sys.path):
+        if _os.path.abspath(entry or ".") == here and _os.path.exists(ours):
+            sys.path.remove(entry)
+            sys.path.append(entry)
+
+
+_unshadow_kernels()
+
 __version__ = "0.1.0"
