@@ -102,6 +102,7 @@ try:
         attend_blocks,
         attend_blocks_ref,
         attend_layer,
+        attend_merge,
         attend_rows,
         attend_rows_ref,
         layer_kv,
@@ -135,7 +136,8 @@ KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
     "KV_KINDS", "Q8_EXTRA", "add_norm", "anchor_view", "anchors_to_f64", "AnchorView",
-    "attend_blocks", "attend_blocks_ref", "attend_layer", "attend_rows", "attend_rows_ref",
+    "attend_blocks", "attend_blocks_ref", "attend_layer", "attend_merge", "attend_rows",
+    "attend_rows_ref",
     "auto_threads", "block_lse", "cache_dir", "cache_is_cold", "compute_anchors",
     "compute_anchors_ref", "configure_threads", "dequant", "dequant_rows", "f32_to_kv", "gated",
     "gated_ref", "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "LayerKV", "merge_partials",

@@ -863,6 +863,44 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out.astype(F32), lse.astype(F32)
 
 
+@njit(nogil=True, cache=True)
+def attend_merge(q, k, v, scale, out, lse):
+    """Exact attention of q [Hq, d] over a few more keys k, v [Hkv, n, d] (float32; query head
+    h reads KV head h // (Hq / Hkv)), merged into the attention out [Hq, d], lse [Hq] (natural
+    log, -inf: no keys) over other keys, in place: one call where NumPy would make a dozen."""
+    hq, d = q.shape
+    hkv, n = k.shape[0], k.shape[1]
+    if n == 0:
+        return
+    g = hq // hkv
+    s = np.empty(n, np.float64)
+    o = np.empty(d, np.float64)
+    for h in range(hq):
+        j = h // g
+        m = -np.inf
+        for t in range(n):
+            acc = 0.0
+            for c in range(d):
+                acc += q[h, c] * k[j, t, c]
+            s[t] = acc * scale
+            m = max(m, s[t])
+        tot = 0.0
+        o[:] = 0.0
+        for t in range(n):
+            e = np.exp(s[t] - m)
+            tot += e
+            for c in range(d):
+                o[c] += e * v[j, t, c]
+        l2 = m + np.log(tot)
+        l1 = np.float64(lse[h])
+        big = max(l1, l2)
+        w1 = np.exp(l1 - big) if l1 > -np.inf else 0.0
+        w2 = np.exp(l2 - big)
+        for c in range(d):
+            out[h, c] = (w1 * out[h, c] + w2 * o[c] / tot) / (w1 + w2)
+        lse[h] = big + np.log(w1 + w2)
+
+
 def merge_partials_ref(out_a, lse_a, out_b, lse_b):
     """float64 NumPy reference of `merge_partials`."""
     lse = np.logaddexp(lse_a, lse_b)

@@ -21,13 +21,7 @@ from ktlong.config import Settings, reads_patterns
 from ktlong.errors import KtlongError
 from ktlong.fit import prefill_chunk
 from ktlong.kvstore import KVStore, StoreShape
-from ktlong.memory import (
-    free_dram_bytes,
-    gb,
-    kv_bytes_per_token,
-    limit_heap_retention,
-    resolve_tier,
-)
+from ktlong.memory import gb, kv_bytes_per_token, limit_heap_retention, resolve_tier
 from ktlong.model import LoadedModel
 from ktlong.selection import SelectionPolicy
 from ktlong.slidingkv import SlidingKV
@@ -72,6 +66,7 @@ class Step:
     stats: Stats = field(default_factory=Stats)
 
 
+WARM_AHEAD = 1024  # tokens past a context its warm-up covers (an answer checks once per this many)
 RETHREAD_TOKENS = 16  # with threads_num 0, the idle cores are counted again this often in an
 # answer: a thread whose core another job takes stalls every parallel region (kernels/threads.py)
 ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they fit in this
@@ -196,7 +191,7 @@ class Session:
             self.policy.inv_freq = inv_freq.numpy()
         if self.store.mapped:  # how much of a mapped entry may stay resident
             step = self.policy.budget_blocks() * self.store.block_bytes * shape.n_layers
-            self.store.bound_residency(step, free_dram_bytes())
+            self.store.bound_residency(step)
         local = lm.device if settings.gpu_local_window and lm.device.type == "cuda" else None
         chunk_attention = None
         if reads_patterns(settings):
@@ -236,6 +231,7 @@ class Session:
         """Compile (or load) the kernels a context of n_tokens runs, before anything is timed."""
         if n_tokens <= self._warm_n and n_tokens:
             return
+        n_tokens += WARM_AHEAD if n_tokens else 0
         ca = self.router.chunk_attention
         warm_up(self.lm, self.settings, n_tokens=n_tokens,
                 dense_below=None if ca is None else ca.dense_below)

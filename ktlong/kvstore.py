@@ -300,6 +300,7 @@ class KVStore:
         self._maps = list(maps.values()) + ([self.tier.mmap] if self.tier else [])
         self.block_bytes = 2 * H * bs * row * np.dtype(dtype).itemsize  # K + V, all heads
         self.map_cap = self.step_cap = MAP_CAP_MIN  # step_cap: two decode steps' reads
+        self._whole = 1 << 62  # mapped bytes (bound_residency): a cap past them is never reached
         self._file_rss0 = _file_rss() if self._maps else 0
 
     def _new_tail(self, nb_tail: int) -> None:
@@ -516,19 +517,21 @@ class KVStore:
         """Bytes of the files mapped under the store (a cache entry's base, the disk tier)."""
         return sum(len(m) for m in self._maps)
 
-    def bound_residency(self, step_bytes: int, free_bytes: int) -> None:
-        """Set `map_cap` for decoding: a mapped entry that fits in half the free memory stays
-        mapped whole (a released page that a later step picks is faulted back in: SmolLM2 at 32K
-        decoded at 0.47x the speed of the same store in RAM); a larger one, or the disk tier,
-        keeps two steps' reads (`step_bytes` each) resident."""
+    def bound_residency(self, step_bytes: int) -> None:
+        """Set `map_cap` for decoding: a mapped entry that stays resident (memory.stays_resident)
+        stays mapped whole (a released page that a later step picks is faulted back in); a larger
+        one, or the disk tier, keeps two steps' reads (`step_bytes` each) mapped."""
+        from ktlong.memory import stays_resident
+
         self.step_cap = max(MAP_CAP_MIN, 2 * step_bytes)
-        whole = self.mapped_bytes()
-        fits = self.tier is None and whole <= free_bytes // 2
+        self._whole = whole = self.mapped_bytes()
+        fits = self.tier is None and stays_resident(whole)
         self.map_cap = max(self.map_cap, whole + MAP_CAP_MIN if fits else self.step_cap)
 
     def check_resident(self) -> None:
         """Release the mapped pages once more than `map_cap` bytes of them are resident."""
-        if self._maps and _file_rss() - self._file_rss0 > self.map_cap:
+        if (self._maps and self.map_cap <= self._whole
+                and _file_rss() - self._file_rss0 > self.map_cap):
             self.release_mapped()
 
     def release_mapped(self) -> None:

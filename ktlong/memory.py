@@ -322,6 +322,12 @@ def free_dram_bytes() -> int:
     return available if cg is None else min(available, cg)
 
 
+def stays_resident(nbytes: int, free_bytes: int | None = None) -> bool:
+    """Whether a mapped file of nbytes (a prompt-cache entry) is kept whole in memory: at most
+    half the free DRAM. Larger ones are read a step's blocks at a time and handed back."""
+    return nbytes <= (free_dram_bytes() if free_bytes is None else free_bytes) // 2
+
+
 def free_gpu_bytes() -> int | None:
     """Free memory on the current CUDA device, or None without torch or CUDA.
 

@@ -154,8 +154,8 @@ class SelectionPolicy:
         if cached is None or (layer % self.s.layer_step == 0 and n_tokens % self.s.token_step == 0):
             pins = pins[pins < local0]
             cand = self._candidates(layer, local0)  # ascending, every one < local0
-            if pins.size:
-                cand = np.setdiff1d(cand, pins, assume_unique=True).astype(np.int32)
+            if pins.size:  # both ascending, every pin a candidate or not
+                cand = cand[~_sorted_in(cand, pins)]
             k = max(self.layer_k[layer] - pins.size, 0)  # a layer_step group's k is one
             if 0 < k < cand.size:  # chosen by the kernel; committed with the choice
                 self._ensure_anchors(layer, local0)
@@ -168,8 +168,11 @@ class SelectionPolicy:
         chosen, then = cached
         # blocks that left the local window since the choice stay attended
         local0 = min(local0, then)
-        return Step(layer, n_tokens, q, self.n_init, local0, nb, chosen,
-                    pins=np.setdiff1d(pins[pins < local0], chosen).astype(np.int32))
+        pins = pins[pins < local0]
+        if pins.size:
+            pins = pins[~_sorted_in(pins, chosen[0] if chosen.shape[0] == 1 else
+                                    np.unique(chosen))]
+        return Step(layer, n_tokens, q, self.n_init, local0, nb, chosen, pins=pins)
 
     def commit(self, step: Step, chosen: np.ndarray | None = None) -> Step:
         """Record the step's choice (`chosen` [S, k], when it chose afresh) and its reads."""
@@ -251,17 +254,11 @@ class SelectionPolicy:
             a, b = self.doc_start, self.n_init * self.bs
             k, v = self.store.token_range(step.layer, a, b)  # [Hkv, n, d] f32
             rerotate(k, *rotation(torch.from_numpy(self.inv_freq), step.local0 * self.bs - b))
-            got = self._head_kv[step.layer] = (step.local0, k.numpy(), v.numpy())
+            got = self._head_kv[step.layer] = (step.local0, np.ascontiguousarray(k.numpy()),
+                                               np.ascontiguousarray(v.numpy()))
         _, k, v = got
-        hkv, _, d = k.shape
-        q = step.q.reshape(hkv, -1, d)  # [Hkv, g, d]: a KV head's query heads
-        sc = (q @ k.transpose(0, 2, 1)) * np.float32(scale)  # [Hkv, g, n]
-        top = sc.max(-1, keepdims=True)
-        e = np.exp(sc - top)
-        total = e.sum(-1)  # [Hkv, g]
-        o2 = (e @ v) / total[..., None]  # [Hkv, g, d]
-        return kernels.merge_partials(out, lse, o2.reshape(-1, d),
-                                      (top[..., 0] + np.log(total)).reshape(-1))
+        kernels.attend_merge(step.q, k, v, scale, out, lse)  # out, lse: the kernel's own arrays
+        return out, lse
 
     def _turned(self, step: Step) -> bool:
         """Whether some of the step's blocks are read at other positions than their own: with
@@ -529,6 +526,14 @@ class SelectionPolicy:
         self._pins = {layer: pins[pins < full] for layer, pins in self._pins.items()}
         self._head_kv = {}  # a shift turns the tokens after the first blocks
         self._head = self._head and full >= self.n_init
+
+
+def _sorted_in(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`[len(a)]` bool: which entries of a are in b (b ascending): np.isin without its sorts."""
+    if not b.size:
+        return np.zeros(a.size, bool)
+    i = np.minimum(np.searchsorted(b, a), b.size - 1)
+    return b[i] == a
 
 
 NEAR_CHUNK = 256  # blocks a NEAR vote scores at once

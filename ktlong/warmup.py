@@ -417,4 +417,9 @@ def _attention(lm: Any, settings: Any, prefill_kinds: list[str] | None,
                     else:
                         router.attend(layer, q, k, v, scale)
         policy.complete_anchors()  # before a prompt-cache save
+    if sparse and prefill_kinds is None:  # question_first_block: the first block read again
+        from ktlong import kernels
+
+        x, kv = np.zeros((2, d), np.float32), np.zeros((1, 3, d), np.float32)
+        kernels.attend_merge(x, kv, kv, scale, x.copy(), np.zeros(2, np.float32))
 

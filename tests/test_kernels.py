@@ -315,3 +315,28 @@ def test_block_lse_is_each_blocks_log_sum_exp():
     got = K.block_lse(sc, 8)  # [5, Hkv, R]
     want = np.logaddexp.reduce(sc.astype(np.float64).reshape(3, 6, 5, 8), axis=-1)
     np.testing.assert_allclose(got, want.transpose(2, 0, 1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("hq,hkv,n,d",
+                         [(9, 3, 127, 64), (4, 1, 5, 16), (8, 8, 1, 32), (4, 2, 0, 8)])
+def test_attend_merge_matches_reference(hq, hkv, n, d):
+    """Attention over a few more keys merged into a partial result, against float64 NumPy."""
+    rng = np.random.default_rng(n + d)
+    q = rng.standard_normal((hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((hkv, n, d)).astype(np.float32) for _ in range(2))
+    out = rng.standard_normal((hq, d)).astype(np.float32)
+    lse = rng.standard_normal(hq).astype(np.float32)
+    lse[0] = -np.inf  # a head whose other part read nothing
+    got_o, got_l = out.copy(), lse.copy()
+    K.attend_merge(q, k, v, 0.3, got_o, got_l)
+    if n == 0:  # no keys: unchanged
+        np.testing.assert_array_equal(got_o, out)
+        np.testing.assert_array_equal(got_l, lse)
+        return
+    g = hq // hkv
+    s = np.einsum("hd,hnd->hn", q.astype(np.float64), np.repeat(k, g, 0).astype(np.float64)) * 0.3
+    l2 = np.logaddexp.reduce(s, axis=1)
+    o2 = np.einsum("hn,hnd->hd", np.exp(s - l2[:, None]), np.repeat(v, g, 0).astype(np.float64))
+    want_o, want_l = K.merge_partials_ref(out.astype(np.float64), lse.astype(np.float64), o2, l2)
+    np.testing.assert_allclose(got_o, want_o, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(got_l, want_l, atol=2e-6, rtol=1e-6)
