@@ -863,7 +863,7 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out.astype(F32), lse.astype(F32)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=FASTMATH)
 def attend_merge(q, k, v, scale, out, lse):
     """Exact attention of q [Hq, d] over a few more keys k, v [Hkv, n, d] (float32; query head
     h reads KV head h // (Hq / Hkv)), merged into the attention out [Hq, d], lse [Hq] (natural
@@ -873,18 +873,19 @@ def attend_merge(q, k, v, scale, out, lse):
     if n == 0:
         return
     g = hq // hkv
-    s = np.empty(n, np.float64)
-    o = np.empty(d, np.float64)
+    s = np.empty(n, F32)
+    o = np.empty(d, F32)
+    sc = F32(scale)
     for h in range(hq):
         j = h // g
-        m = -np.inf
+        m = NEG_INF
         for t in range(n):
-            acc = 0.0
+            acc = F32(0.0)
             for c in range(d):
                 acc += q[h, c] * k[j, t, c]
-            s[t] = acc * scale
+            s[t] = acc * sc
             m = max(m, s[t])
-        tot = 0.0
+        tot = F32(0.0)
         o[:] = 0.0
         for t in range(n):
             e = np.exp(s[t] - m)
@@ -892,12 +893,13 @@ def attend_merge(q, k, v, scale, out, lse):
             for c in range(d):
                 o[c] += e * v[j, t, c]
         l2 = m + np.log(tot)
-        l1 = np.float64(lse[h])
-        big = max(l1, l2)
-        w1 = np.exp(l1 - big) if l1 > -np.inf else 0.0
+        big = max(lse[h], l2)
+        w1 = np.exp(lse[h] - big) if lse[h] > NEG_INF else F32(0.0)
         w2 = np.exp(l2 - big)
+        inv = F32(1.0) / (w1 + w2)
+        w2t = w2 / tot
         for c in range(d):
-            out[h, c] = (w1 * out[h, c] + w2 * o[c] / tot) / (w1 + w2)
+            out[h, c] = (w1 * out[h, c] + w2t * o[c]) * inv
         lse[h] = big + np.log(w1 + w2)
 
 
