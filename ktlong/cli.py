@@ -654,6 +654,10 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                  profiles: Annotated[str, typer.Option(
                      help="With --shape or -m: settings profiles (names or YAML files), "
                           "comma-separated, each in its own process.")] = "default",
+                 kv: Annotated[str, typer.Option(
+                     help="With -m: prose (a chat's KV: real prose read by ktlong's prefill, "
+                          "or the prompt cache) or random (random rows, a kernel figure). "
+                          "--shape always decodes over random rows.")] = "prose",
                  peers: Annotated[str, typer.Option(
                      help="With --shape or -m: llama.cpp runtimes decoding the same file over a "
                           "synthetic KV of the same length, comma-separated: llamacpp-fa (F16 "
@@ -671,6 +675,10 @@ def bench_decode(contexts: Annotated[str, typer.Option(
         raise KtlongError(f"--kv-tier {kv_tier!r}: choose ram or disk")
     if shape is not None and model is not None:
         raise KtlongError("--shape and --model both name a model: give one")
+    if kv not in ("prose", "random"):
+        raise KtlongError(f"--kv {kv!r}: choose prose or random")
+    if model is not None and kv == "prose" and kv_tier != "ram":
+        raise KtlongError("--kv-tier disk decodes random rows", hint="add --kv random")
     if shape is not None or model is not None:
         from ktlong.bench import decodemodel
         from ktlong.bench.genmodel import SHAPES, WEIGHTS
@@ -697,10 +705,10 @@ def bench_decode(contexts: Annotated[str, typer.Option(
         data = decodemodel.run(lengths, kv_types, kv_tier, steps, runs, threads,
                                Path(model) if model is not None else (shape, layers, weights),
                                cache, lambda m: print(m, file=sys.stderr, flush=True), names,
-                               peer_names)
+                               peer_names, kv)
         what = (f"-m {model.name}" if model is not None
                 else f"--shape {shape} --layers {layers} --weights {weights}")
-        data["command"] = (f"ktlong bench decode {what} "
+        data["command"] = (f"ktlong bench decode {what}{' --kv random' if kv == 'random' else ''} "
                            f"--contexts {contexts} --kv-type {','.join(kv_types)} "
                            f"--kv-tier {kv_tier} --steps {steps} --runs {runs}"
                            f"{f' --profiles {profiles}' if profiles != 'default' else ''}"

@@ -194,3 +194,62 @@ def test_accuracy_peers_answer_as_ktlong_dense_inside_the_trained_length(models)
             got = by[(peer, task)]
             assert got.answer.strip().splitlines()[0] == want.answer.strip().splitlines()[0]
             assert got.correct == want.correct
+
+
+def _step_reads(session, steps: int) -> list[int]:
+    """Tokens each layer's decode step reads (the policy's blocks, the local window's partial
+    block at its size, the first block's second read), over `steps` greedy tokens."""
+    policy, bs = session.policy, session.settings.block_size
+    reads: list[int] = []
+    commit = policy.commit
+
+    def counting(step, chosen=None):
+        out = commit(step, chosen)
+        blocks = out.blocks()[0]
+        tokens = sum(min(bs, out.n_tokens - b * bs) for b in blocks.tolist())
+        reads.append(tokens + (bs if policy._head and out.n_init else 0))
+        return out
+
+    policy.commit = counting
+    list(session.generate(Sampling(max_new_tokens=steps)))
+    policy.commit = commit
+    return reads
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def test_a_real_chat_step_reads_its_budget_and_nothing_from_disk(models, home, tmp_path):
+    """SmolLM2 over 3,500 tokens of real prose (GPL-3), a budget of 1,792 tokens a step: every
+    decode step of every layer reads at most its budget (plus the block the window moves into
+    while a selection is reused), from a fresh prefill and from the prompt cache alike; the
+    cache entry stays in memory, so decoding from it reads nothing from the disk."""
+    from ktlong.conversation import Conversation
+    from ktlong.fit import fit_to_model
+    from ktlong.promptcache import open_document
+
+    lm = load_model(models["smollm2"])
+    st = fit_to_model(resolve_settings(None, {
+        "threads_num": 2, "second_select_num": 8, "local_windows_len": 512, "init_len": 128,
+        "token_step": 2}, config_file=False), lm.spec).settings
+    conv = Conversation(lm.tokenizer, lm.tokenizer.decode(_ids(lm.tokenizer, 3500)))
+    ids = conv.document_ids()
+    question = conv.prompt_ids(conv.question_text("What does the license say about patents?"))
+    budget = st.init_len + st.second_select_num * st.block_size + st.local_windows_len \
+        + st.block_size  # the window's partial block
+    for source in ("prefill", "cache"):
+        opened = open_document(lm, st, ids, cache_dir=tmp_path)
+        assert opened.source == source
+        s = opened.session
+        assert s.policy.sparse_for(len(question))
+        s.extend_to(question)
+        io0 = _read_bytes()
+        reads = _step_reads(s, 24)
+        assert len(reads) == 23 * s.store.shape.n_layers
+        assert max(reads) <= budget + st.block_size + (st.block_size if s.policy._head else 0)
+        assert min(reads) >= budget - 2 * st.block_size  # sparse, not a sliver of it
+        if source == "cache":
+            assert s.store.mapped
+            assert _read_bytes() - io0 < 1 << 20  # the entry's blocks came from memory

@@ -1,4 +1,12 @@
-"""`ktlong bench decode --shape 8b`: a whole model's decode over a synthetic KV cache.
+"""`ktlong bench decode -m MODEL` / `--shape 8b`: a whole model's decode over a long context.
+
+With a real model (`-m`), by default the context is what a user's chat holds: real prose
+(ktlong.bench.prose: the license texts Debian ships, Python's documentation) behind the model's
+chat template, read by ktlong's own prefill through the prompt cache (the first run prefills and
+stores the entry, later runs map it, as a second chat on the same document does), then a question
+(its votes timed as `question_s`) and `steps` tokens, `runs` times from the same point: the chat's
+own path, `prose_worker`. `--kv random` (and `--shape`, whose random weights read nothing) fills
+the store with random rows instead, a kernel-level figure that names itself "random rows":
 
 No prefill: each KV type's store is filled with random rows (every layer, `context` tokens: at 1M
 tokens and 32 layers that is 38 GB of Q4_0, which the disk tier writes to its file), anchors are
@@ -115,11 +123,71 @@ def worker(model: str, kv_type: str, tier: str, context: int, steps: int, runs: 
         windows.append([len(stamps) - 2, stamps[-1] - stamps[0]])
         decoded += len(stamps) - 2
     rates = sorted(n / s for n, s in windows)
-    return {"profile": profile, "kv_type": kv_type, "kv_tier": tier, "context": context,
+    return {"profile": profile, "kv_type": kv_type, "kv_tier": tier, "kv_source": "random",
+            "context": context,
             "layers": lm.spec.n_layers, "question_s": sorted(question_s)[len(question_s) // 2],
             "pinned": pinned,
             "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "fill_s": fill_s,
             "anchors_s": anchors_s, "kv_bytes": store.nbytes_used(),
+            "disk_read_per_token": read / max(decoded, 1),
+            "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6,
+            "threads": session.threads}
+
+
+QUESTION_TEXT = "Write a long summary of this document."  # the prose runs' question
+
+
+def prose_worker(model: str, kv_type: str, context: int, steps: int, runs: int, threads: int,
+                 cache_dir: str, profile: str = "default") -> dict[str, Any]:
+    """A chat's decode: `context` tokens of real prose as the chat reads a document (template,
+    prefill or prompt cache), a question, then `steps` tokens, `runs` times."""
+    import dataclasses
+
+    from ktlong.bench import prose
+    from ktlong.config import resolve_settings
+    from ktlong.conversation import Conversation
+    from ktlong.engine import Sampling
+    from ktlong.fit import fit_to_model
+    from ktlong.model import load_model
+    from ktlong.promptcache import open_document
+    from ktlong.warmup import warm_up, work_clock
+
+    lm = dataclasses.replace(load_model(model, device="CPU"), eos_ids=())
+    tok = lm.tokenizer
+    doc = tok.decode(tok(prose.text(tok, context + 64), add_special_tokens=False)
+                     ["input_ids"][:context])
+    conv = Conversation(tok, doc)
+    ids = conv.document_ids()
+    q_ids = conv.prompt_ids(conv.question_text(QUESTION_TEXT))
+    st = fit_to_model(resolve_settings(profile, {  # as the chat fits them to the model
+        "threads_num": threads, "kv_type": kv_type, "cache_dir": cache_dir},
+        config_file=False), lm.spec).settings
+    warm_up(lm, st, n_tokens=len(q_ids) + steps)  # compiled before anything is timed
+    t0 = work_clock()
+    opened = open_document(lm, st, ids, cache_dir=Path(cache_dir))
+    open_s = work_clock() - t0
+    session = opened.session
+    windows, question_s, read, decoded = [], [], 0, 0
+    for _ in range(runs):
+        session.truncate(len(ids))
+        t0 = work_clock()
+        session.extend_to(q_ids)
+        question_s.append(work_clock() - t0)
+        pinned = int(session.policy.pinned().size)
+        io0, stamps = _read_bytes(), [work_clock()]
+        for _step in session.generate(Sampling(max_new_tokens=steps)):
+            stamps.append(work_clock())
+        read += _read_bytes() - io0
+        windows.append([len(stamps) - 2, stamps[-1] - stamps[0]])
+        decoded += len(stamps) - 2
+    rates = sorted(n / s for n, s in windows)
+    return {"profile": profile, "kv_type": kv_type, "kv_tier": "ram", "kv_source": "prose",
+            "context": len(ids), "layers": lm.spec.n_layers, "opened_from": opened.source,
+            "open_s": open_s, "question_s": sorted(question_s)[len(question_s) // 2],
+            "pinned": pinned, "tok_s": rates[len(rates) // 2], "runs_tok_s": rates,
+            "fill_s": open_s, "anchors_s": 0.0, "kv_bytes": session.store.nbytes_used(),
+            "attended_share": session.policy.attended_share(),
+            "step_tokens": session.policy.budget_blocks() * st.block_size,
             "disk_read_per_token": read / max(decoded, 1),
             "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6,
             "threads": session.threads}
@@ -186,8 +254,11 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
 
 def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: int,
         threads: int, gen: tuple[str, int, str] | Path, cache_dir: str, log: Any,
-        profiles: tuple[str, ...] = ("default",), peers: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`gen`: the random model's (shape, layers, weights), or a real model's file."""
+        profiles: tuple[str, ...] = ("default",), peers: tuple[str, ...] = (),
+        kv_source: str = "prose") -> dict[str, Any]:
+    """`gen`: the random model's (shape, layers, weights), or a real model's file; kv_source
+    "prose" (a real model's chat over real prose, RAM tier) or "random" (random rows)."""
+    prose = kv_source == "prose" and isinstance(gen, Path)
     from ktlong.bench import genmodel
     from ktlong.bench import plot as plotting
     from ktlong.config import ktlong_home
@@ -202,19 +273,24 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
     for n in contexts:
         for profile in profiles:
             for kv_type in kv_types:  # one fresh process each: its memory figures are its own
-                log(f"{profile}: {kv_type} KV, {tier} tier, {n:,} tokens ...")
-                rows.append(_spawn(f"{profile} {kv_type}", [
-                    str(path), kv_type, tier, n, steps, runs, threads, cache_dir, profile]))
+                log(f"{profile}: {kv_type} KV, {n:,} tokens of "
+                    f"{'real prose' if prose else f'random rows, {tier} tier'} ...")
+                args = [str(path), kv_type, n, steps, runs, threads, cache_dir, profile] \
+                    if prose else [str(path), kv_type, tier, n, steps, runs, threads, cache_dir,
+                                   profile]
+                rows.append(_spawn(f"{profile} {kv_type}", ["prose", *args] if prose else args))
+                rows[-1]["asked"] = n
         for peer in peers:
             log(f"{peer}: {n:,} tokens of synthetic KV ...")
             rows.append(_spawn(peer, ["llamacpp", str(path), peer, n, steps, runs, threads],
                                peer_env()))
+            rows[-1]["asked"] = n
     for r in rows:  # speed over the first row's at the same context
-        base = next(b for b in rows if b["context"] == r["context"])
+        base = next(b for b in rows if b["asked"] == r["asked"])
         r["vs_first_type"] = r["tok_s"] / base["tok_s"]
     return {"bench": "decode-model", "machine": plotting.machine(),
             "model": desc, "weights_bytes": path.stat().st_size, "kv_tier": tier, "steps": steps,
-            "runs": runs, "rows": rows}
+            "runs": runs, "kv_source": "prose" if prose else "random", "rows": rows}
 
 
 def _spawn(name: str, args: list[Any], env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -232,8 +308,10 @@ def print_table(data: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"decode over a synthetic KV cache: {data['model']}, "
-                        f"{data['kv_tier']} tier, median of {data['runs']} runs "
+    prose = data.get("kv_source") == "prose"
+    what = "a chat over real prose" if prose else \
+        f"a KV cache of random rows ({data['kv_tier']} tier)"
+    table = Table(title=f"decode of {what}: {data['model']}, median of {data['runs']} runs "
                         f"of {data['steps']} tokens", box=box.SIMPLE_HEAD)
     for col in ("context", "profile", "KV", "tok/s", "question\ns", "x first", "KV\nGB",
                 "disk\nMB/tok", "anon\nGB", "file\nGB", "fill\ns", "anch.\ns"):
@@ -255,10 +333,13 @@ def print_table(data: dict[str, Any]) -> None:
     console.print("x first: tok/s over the first row's at that context; question s: the "
                   f"{QUESTION}-token question's prefill (and its votes); disk MB/tok: bytes "
                   "read from the disk per decoded token; anon / file GB: RssAnon / RssFile "
-                  "after the decode; fill, anch.: seconds to write the synthetic KV and build "
-                  "its anchors")
+                  "after the decode; " + ("fill: seconds to read the document (prefill) or map "
+                                          "it from the prompt cache" if prose else
+                                          "fill, anch.: seconds to write the synthetic KV and "
+                                          "build its anchors"))
 
 
 if __name__ == "__main__":
     _args = json.loads(sys.argv[1])
-    print(json.dumps(llamacpp_worker(*_args[1:]) if _args[0] == "llamacpp" else worker(*_args)))
+    _workers = {"llamacpp": llamacpp_worker, "prose": prose_worker}
+    print(json.dumps(_workers[_args[0]](*_args[1:]) if _args[0] in _workers else worker(*_args)))
