@@ -658,6 +658,10 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                      help="With -m: prose (a chat's KV: real prose read by ktlong's prefill, "
                           "or the prompt cache) or random (random rows, a kernel figure). "
                           "--shape always decodes over random rows.")] = "prose",
+                 prompt_file: Annotated[list[str] | None, typer.Option(
+                     "--prompt-file", "-f", show_default=False,
+                     help="With -m: documents to decode over, each read whole as the chat reads "
+                          "it (one context each, instead of --contexts); repeat it.")] = None,
                  peers: Annotated[str, typer.Option(
                      help="With --shape or -m: llama.cpp runtimes decoding the same file over a "
                           "synthetic KV of the same length, comma-separated: llamacpp-fa (F16 "
@@ -677,6 +681,8 @@ def bench_decode(contexts: Annotated[str, typer.Option(
         raise KtlongError("--shape and --model both name a model: give one")
     if kv not in ("prose", "random"):
         raise KtlongError(f"--kv {kv!r}: choose prose or random")
+    if prompt_file and (model is None or kv != "prose"):
+        raise KtlongError("--prompt-file is what a real model's chat reads: add -m, drop --kv")
     if model is not None and kv == "prose" and kv_tier != "ram":
         raise KtlongError("--kv-tier disk decodes random rows", hint="add --kv random")
     if shape is not None or model is not None:
@@ -705,11 +711,13 @@ def bench_decode(contexts: Annotated[str, typer.Option(
         data = decodemodel.run(lengths, kv_types, kv_tier, steps, runs, threads,
                                Path(model) if model is not None else (shape, layers, weights),
                                cache, lambda m: print(m, file=sys.stderr, flush=True), names,
-                               peer_names, kv)
+                               peer_names, kv, tuple(str(Path(f).resolve())
+                                                     for f in prompt_file or ()))
         what = (f"-m {model.name}" if model is not None
                 else f"--shape {shape} --layers {layers} --weights {weights}")
-        data["command"] = (f"ktlong bench decode {what}{' --kv random' if kv == 'random' else ''} "
-                           f"--contexts {contexts} --kv-type {','.join(kv_types)} "
+        docs = "".join(f" -f {f}" for f in prompt_file or ())
+        data["command"] = (f"ktlong bench decode {what}{' --kv random' if kv == 'random' else ''}"
+                           f"{docs or f' --contexts {contexts}'} --kv-type {','.join(kv_types)} "
                            f"--kv-tier {kv_tier} --steps {steps} --runs {runs}"
                            f"{f' --profiles {profiles}' if profiles != 'default' else ''}"
                            f"{f' --peers {peers}' if peer_names else ''}"

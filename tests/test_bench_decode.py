@@ -335,3 +335,26 @@ def test_llama_state_of_a_sliding_window_model():
     assert off == len(b)
     short = llamastate.seq_state(10, full, dim, 1, swa_layers=swa, swa_window=window)
     assert short.size == llamastate.state_size(10, full, dim, 1, swa, window)  # all in the window
+
+
+def test_prose_worker_decodes_a_chat_over_real_prose(tmp_path):
+    """-m's default: real prose behind the chat template, read by ktlong's prefill the first
+    time and mapped from the prompt cache the next, as a user's second chat on it is."""
+    from ktlong.bench import decodemodel
+    from ktlong.tinymodel import write_gguf
+
+    from .models import hf_model
+
+    gguf = write_gguf(hf_model("llama"), tmp_path / "m.gguf", "F32")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The Python Software Foundation License applies to this text. " * 60)
+    first = decodemodel.prose_worker(str(gguf), "BF16", 0, 4, 2, 1, str(tmp_path), "default",
+                                     str(doc))
+    again = decodemodel.prose_worker(str(gguf), "BF16", 0, 4, 2, 1, str(tmp_path), "default",
+                                     str(doc))
+    assert first["kv_source"] == again["kv_source"] == "prose"
+    assert (first["opened_from"], again["opened_from"]) == ("prefill", "cache")
+    assert first["context"] == again["context"] > 300  # the whole file, as the chat reads it
+    assert first["tok_s"] > 0 and again["tok_s"] > 0 and len(again["runs_tok_s"]) == 2
+    row = decodemodel.prose_worker(str(gguf), "BF16", 500, 3, 1, 1, str(tmp_path))
+    assert 450 <= row["context"] <= 560  # prose cut to 500 tokens, plus the template

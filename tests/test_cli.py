@@ -420,11 +420,16 @@ def test_bench_decode_with_a_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert r.exit_code == 0, r.output
     assert calls[0][6] == gguf and json.loads(r.stdout)["command"].startswith(
         "ktlong bench decode -m m.gguf --contexts 16K")
+    assert calls[0][11] == "prose"  # a chat's KV by default, not random rows
+    r = run("bench", "decode", "-m", str(gguf), "--kv", "random", "--kv-tier", "disk", "--json")
+    assert r.exit_code == 0 and calls[1][11] == "random" and " --kv random" in r.stdout
+    r = run("bench", "decode", "-m", str(gguf), "--kv-tier", "disk")
+    assert r.exit_code == 2 and "--kv random" in r.stderr
     r = run("bench", "decode", "-m", str(tmp_path / "nope.gguf"), "--contexts", "16K")
     assert r.exit_code == 2 and "does not exist" in r.stderr and "Traceback" not in r.output
     r = run("bench", "decode", "-m", str(gguf), "--shape", "8b")
     assert r.exit_code == 2 and "give one" in r.stderr
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_bench_prefill_passes_chunk_sizes_and_modes(monkeypatch: pytest.MonkeyPatch) -> None:

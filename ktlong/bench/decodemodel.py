@@ -138,9 +138,10 @@ QUESTION_TEXT = "Write a long summary of this document."  # the prose runs' ques
 
 
 def prose_worker(model: str, kv_type: str, context: int, steps: int, runs: int, threads: int,
-                 cache_dir: str, profile: str = "default") -> dict[str, Any]:
-    """A chat's decode: `context` tokens of real prose as the chat reads a document (template,
-    prefill or prompt cache), a question, then `steps` tokens, `runs` times."""
+                 cache_dir: str, profile: str = "default", document: str = "") -> dict[str, Any]:
+    """A chat's decode: `context` tokens of real prose (or the whole `document` file, read as
+    the chat reads it) as the chat reads a document (template, prefill or prompt cache), a
+    question, then `steps` tokens, `runs` times."""
     import dataclasses
 
     from ktlong.bench import prose
@@ -154,8 +155,13 @@ def prose_worker(model: str, kv_type: str, context: int, steps: int, runs: int, 
 
     lm = dataclasses.replace(load_model(model, device="CPU"), eos_ids=())
     tok = lm.tokenizer
-    doc = tok.decode(tok(prose.text(tok, context + 64), add_special_tokens=False)
-                     ["input_ids"][:context])
+    if document:
+        from ktlong.documents import read_document
+
+        doc = read_document(document).text
+    else:
+        doc = tok.decode(tok(prose.text(tok, context + 64), add_special_tokens=False)
+                         ["input_ids"][:context])
     conv = Conversation(tok, doc)
     ids = conv.document_ids()
     q_ids = conv.prompt_ids(conv.question_text(QUESTION_TEXT))
@@ -255,10 +261,12 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
 def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: int,
         threads: int, gen: tuple[str, int, str] | Path, cache_dir: str, log: Any,
         profiles: tuple[str, ...] = ("default",), peers: tuple[str, ...] = (),
-        kv_source: str = "prose") -> dict[str, Any]:
+        kv_source: str = "prose", documents: tuple[str, ...] = ()) -> dict[str, Any]:
     """`gen`: the random model's (shape, layers, weights), or a real model's file; kv_source
-    "prose" (a real model's chat over real prose, RAM tier) or "random" (random rows)."""
+    "prose" (a real model's chat over real prose, RAM tier) or "random" (random rows);
+    `documents`: files a prose run reads whole, one context each (instead of `contexts`)."""
     prose = kv_source == "prose" and isinstance(gen, Path)
+    todo = [(0, d) for d in documents] if prose and documents else [(n, "") for n in contexts]
     from ktlong.bench import genmodel
     from ktlong.bench import plot as plotting
     from ktlong.config import ktlong_home
@@ -270,17 +278,18 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
         path, origin = genmodel.build(ktlong_home() / "bench-models", name, layers, weights, log)
         desc = f"random {name} widths, {layers} layers, {weights}: {origin}"
     rows = []
-    for n in contexts:
+    for n, document in todo:
         for profile in profiles:
             for kv_type in kv_types:  # one fresh process each: its memory figures are its own
-                log(f"{profile}: {kv_type} KV, {n:,} tokens of "
-                    f"{'real prose' if prose else f'random rows, {tier} tier'} ...")
-                args = [str(path), kv_type, n, steps, runs, threads, cache_dir, profile] \
+                what = document or (f"{n:,} tokens of real prose" if prose else
+                                    f"{n:,} tokens of random rows, {tier} tier")
+                log(f"{profile}: {kv_type} KV, {what} ...")
+                args = [str(path), kv_type, n, steps, runs, threads, cache_dir, profile, document] \
                     if prose else [str(path), kv_type, tier, n, steps, runs, threads, cache_dir,
                                    profile]
                 rows.append(_spawn(f"{profile} {kv_type}", ["prose", *args] if prose else args))
-                rows[-1]["asked"] = n
-        for peer in peers:
+                rows[-1]["asked"] = n or document
+        for peer in peers if not document else ():
             log(f"{peer}: {n:,} tokens of synthetic KV ...")
             rows.append(_spawn(peer, ["llamacpp", str(path), peer, n, steps, runs, threads],
                                peer_env()))
