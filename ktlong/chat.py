@@ -32,7 +32,7 @@ from ktlong.documents import Document, read_document
 from ktlong.errors import KtlongError
 
 PROGRESS_MIN_TOKENS = 2048  # a turn shorter than this prefills without a progress bar
-FIRST_TURN_TOKENS = 512  # room for a first question when the chat warms its kernels
+FIRST_TURN_TOKENS = 128  # room for a first question when the chat warms its kernels
 
 
 def is_interrupt(e: BaseException | None) -> bool:

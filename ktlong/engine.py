@@ -27,7 +27,7 @@ from ktlong.selection import SelectionPolicy
 from ktlong.slidingkv import SlidingKV
 from ktlong.squeeze import cosine_sum
 from ktlong.tokenids import TokenIds, common_prefix
-from ktlong.warmup import compile_seconds, warm_up
+from ktlong.warmup import compile_seconds, same_parts_until, warm_up
 from ktlong.weights import set_prefill_matmul
 
 Progress = Callable[[int, int], None]  # (tokens done, total)
@@ -66,7 +66,6 @@ class Step:
     stats: Stats = field(default_factory=Stats)
 
 
-WARM_AHEAD = 1024  # tokens past a context its warm-up covers (an answer checks once per this many)
 RETHREAD_TOKENS = 16  # with threads_num 0, the idle cores are counted again this often in an
 # answer: a thread whose core another job takes stalls every parallel region (kernels/threads.py)
 ROPE_CACHE_BYTES = 64 << 20  # keep a forward's cos/sin across layers when they fit in this
@@ -231,11 +230,10 @@ class Session:
         """Compile (or load) the kernels a context of n_tokens runs, before anything is timed."""
         if n_tokens <= self._warm_n and n_tokens:
             return
-        n_tokens += WARM_AHEAD if n_tokens else 0
         ca = self.router.chunk_attention
-        warm_up(self.lm, self.settings, n_tokens=n_tokens,
-                dense_below=None if ca is None else ca.dense_below)
-        self._warm_n = max(self._warm_n, n_tokens)
+        below = None if ca is None else ca.dense_below
+        warm_up(self.lm, self.settings, n_tokens=n_tokens, dense_below=below)
+        self._warm_n = max(self._warm_n, same_parts_until(self.settings, n_tokens, below))
 
     def _set_threads(self) -> None:
         """`threads_num`, or with 0 the cores idle right now (kernels/threads.py: a thread on

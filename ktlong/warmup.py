@@ -40,7 +40,7 @@ Note = Callable[[str], None]
 
 # seconds a cold part takes to compile on a 2-core machine (refined by the measured times, per part
 # and per kind, kept in <numba-cache>/warmup-times.json, which outlive a version's cache folder)
-ESTIMATE_S = {"decode": 33.0, "sparse": 26.0, "prefill": 20.0, "weights": 4.0}
+ESTIMATE_S = {"decode": 34.0, "sparse": 17.0, "prefill": 27.0, "weights": 4.0}
 
 _lock = threading.RLock()
 _done: set[str] = set()  # parts warmed in this process
@@ -125,15 +125,33 @@ class Part:
     run: Callable[[], None]
 
 
-def sparse_at(settings: Any, n_tokens: int) -> bool:
-    """Whether a context of n_tokens may be read sparsely under `settings` (the selection
-    policy's test, with the smallest budget any layer may get)."""
+def _dense_reach(settings: Any) -> int | None:
+    """The longest context every layer reads whole under `settings` (the selection policy's
+    test, with the smallest budget any layer may get); None: any (a dense profile)."""
     s = settings
     if s.attention in ("DENSE", "LOCRET"):
-        return False
+        return None
     k = s.second_select_num if s.layer_budget == "UNIFORM" else 0
     fixed = s.init_len // s.block_size + s.local_windows_len // s.block_size + 1
-    return -(-n_tokens // s.block_size) > fixed + k
+    return (fixed + k) * s.block_size
+
+
+def sparse_at(settings: Any, n_tokens: int) -> bool:
+    """Whether a context of n_tokens may be read sparsely under `settings`."""
+    reach = _dense_reach(settings)
+    return reach is not None and n_tokens > reach
+
+
+def same_parts_until(settings: Any, n_tokens: int, dense_below: int | None = None) -> int:
+    """The longest context that needs no part a context of n_tokens does not (`parts` changes
+    only past these lengths): a session warmed for n_tokens need not ask again before it."""
+    from ktlong.config import reads_patterns
+    from ktlong.minference import DENSE_BELOW
+
+    edges = [_dense_reach(settings)]
+    if reads_patterns(settings):
+        edges.append(DENSE_BELOW if dense_below is None else dense_below)
+    return min((e for e in edges if e is not None and e >= n_tokens), default=1 << 62)
 
 
 def parts(lm: Any, settings: Any, n_tokens: int | None = None,

@@ -170,7 +170,7 @@ def prose_worker(model: str, kv_type: str, context: int, steps: int, runs: int, 
         config_file=False), lm.spec).settings
     warm_up(lm, st, n_tokens=len(q_ids) + steps)  # compiled before anything is timed
     t0 = work_clock()
-    opened = open_document(lm, st, ids, cache_dir=Path(cache_dir))
+    opened = open_document(lm, st, ids, cache_dir=Path(cache_dir) if cache_dir else None)
     open_s = work_clock() - t0
     session = opened.session
     windows, question_s, read, decoded = [], [], 0, 0
