@@ -663,8 +663,9 @@ def bench_decode(contexts: Annotated[str, typer.Option(
                      help="With -m: documents to decode over, each read whole as the chat reads "
                           "it (one context each, instead of --contexts); repeat it.")] = None,
                  peers: Annotated[str, typer.Option(
-                     help="With --shape or -m: llama.cpp runtimes decoding the same file over a "
-                          "synthetic KV of the same length, comma-separated: llamacpp-fa (F16 "
+                     help="With --shape or -m: llama.cpp runtimes decoding the same file over the "
+                          "same ids, read by its own prefill (--shape, --kv random: a synthetic "
+                          "KV of the same length), comma-separated: llamacpp-fa (F16 "
                           "KV), llamacpp-q8kv (Q8_0 KV), llamacpp-nofa (no flash attention); "
                           "needs the [peers] extra.")] = "",
                  plot: PlotOpt = None, as_json: JsonOpt = False) -> None:

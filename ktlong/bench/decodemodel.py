@@ -144,9 +144,7 @@ def prose_worker(model: str, kv_type: str, context: int, steps: int, runs: int, 
     question, then `steps` tokens, `runs` times."""
     import dataclasses
 
-    from ktlong.bench import prose
     from ktlong.config import resolve_settings
-    from ktlong.conversation import Conversation
     from ktlong.engine import Sampling
     from ktlong.fit import fit_to_model
     from ktlong.model import load_model
@@ -154,17 +152,7 @@ def prose_worker(model: str, kv_type: str, context: int, steps: int, runs: int, 
     from ktlong.warmup import warm_up, work_clock
 
     lm = dataclasses.replace(load_model(model, device="CPU"), eos_ids=())
-    tok = lm.tokenizer
-    if document:
-        from ktlong.documents import read_document
-
-        doc = read_document(document).text
-    else:
-        doc = tok.decode(tok(prose.text(tok, context + 64), add_special_tokens=False)
-                         ["input_ids"][:context])
-    conv = Conversation(tok, doc)
-    ids = conv.document_ids()
-    q_ids = conv.prompt_ids(conv.question_text(QUESTION_TEXT))
+    ids, q_ids = _chat_ids(lm.tokenizer, context, document)
     st = fit_to_model(resolve_settings(profile, {  # as the chat fits them to the model
         "threads_num": threads, "kv_type": kv_type, "cache_dir": cache_dir},
         config_file=False), lm.spec).settings
@@ -231,11 +219,22 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
     prefix = [1] * context  # what llama-cpp-python believes its cache holds: a prefix match
     llm.input_ids[:context] = prefix
     llm.n_tokens = context
-    question = list(range(2, QUESTION + 2))
+    row = _llamacpp_runs(llm, prefix, list(range(2, QUESTION + 2)), steps, runs)
+    return {"profile": runtime, "kv_type": "Q8_0" if ggml_type == 8 else "F16",
+            "kv_tier": "ram", "kv_source": "random", "context": context,
+            "layers": spec.n_layers, **row, "fill_s": fill_s, "kv_bytes": kv_bytes,
+            "threads": threads}
+
+
+def _llamacpp_runs(llm: Any, prefix: list[int], question: list[int], steps: int,
+                   runs: int) -> dict[str, Any]:
+    """`runs` times over the cached `prefix`: the question read again, then `steps` greedy
+    tokens; the median decode speed, measured as `worker` measures ktlong's."""
     windows, question_s, read, decoded = [], [], 0, 0
+    n = len(prefix)
     for _ in range(runs):
         stamps, t0 = [], time.perf_counter()
-        llm.input_ids[context:context + QUESTION] = 0  # no match past the context: re-read it
+        llm.input_ids[n:n + len(question)] = -1  # no match past the prefix: re-read it
         for _tok in llm.generate(prefix + question, top_k=1, top_p=1.0, temp=0.0,
                                 repeat_penalty=1.0, reset=True):
             stamps.append(time.perf_counter())  # sampled; its forward comes with the next one
@@ -247,15 +246,56 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
         question_s.append(stamps[0] - t0)
         windows.append([len(stamps) - 1, stamps[-1] - stamps[0]])
         decoded += len(stamps) - 1
-    rates = sorted(n / s for n, s in windows)
-    return {"profile": runtime, "kv_type": "Q8_0" if ggml_type == 8 else "F16",
-            "kv_tier": "ram", "context": context, "layers": spec.n_layers,
-            "question_s": sorted(question_s)[len(question_s) // 2], "pinned": 0,
-            "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "fill_s": fill_s,
-            "anchors_s": 0.0, "kv_bytes": kv_bytes,
+    rates = sorted(k / s for k, s in windows)
+    return {"question_s": sorted(question_s)[len(question_s) // 2], "pinned": 0,
+            "tok_s": rates[len(rates) // 2], "runs_tok_s": rates, "anchors_s": 0.0,
             "disk_read_per_token": read / max(decoded, 1),
-            "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6,
-            "threads": threads}
+            "rss_anon_gb": _proc_kb("RssAnon") / 1e6, "rss_file_gb": _proc_kb("RssFile") / 1e6}
+
+
+def llamacpp_prose_worker(model: str, runtime: str, context: int, steps: int, runs: int,
+                          threads: int, document: str = "") -> dict[str, Any]:
+    """llama.cpp over the ids `prose_worker` reads (the same document behind the same chat
+    template, or `context` tokens of prose), prefilled by llama.cpp itself, then the same
+    question and `steps` tokens, `runs` times."""
+    import llama_cpp
+
+    from ktlong.bench.e2e import LLAMACPP_KV
+    from ktlong.model import load_tokenizer
+    from ktlong.spec import read_spec
+
+    flash, ggml_type = LLAMACPP_KV[runtime]
+    ids, q_ids = _chat_ids(load_tokenizer(model), context, document)
+    threads = threads or os.cpu_count() or 1
+    llm = llama_cpp.Llama(
+        model_path=model, n_ctx=len(q_ids) + steps + 64, n_batch=512, n_threads=threads,
+        n_threads_batch=threads, flash_attn=flash, type_k=ggml_type, type_v=ggml_type,
+        n_gpu_layers=0, verbose=False)
+    t0 = time.perf_counter()
+    llm.eval(ids)  # the document, read by llama.cpp's own prefill
+    fill_s = time.perf_counter() - t0
+    row = _llamacpp_runs(llm, ids, q_ids[len(ids):], steps, runs)
+    return {"profile": runtime, "kv_type": "Q8_0" if ggml_type == 8 else "F16",
+            "kv_tier": "ram", "kv_source": "prose", "context": len(ids),
+            "layers": read_spec(model).n_layers, **row, "fill_s": fill_s,
+            "open_s": fill_s, "opened_from": "prefill", "kv_bytes": 0, "threads": threads}
+
+
+def _chat_ids(tok: Any, context: int, document: str) -> tuple[list[int], list[int]]:
+    """The document's ids as the chat reads it (template and all) and the ids with the
+    question: the whole `document` file, or `context` tokens of real prose."""
+    from ktlong.bench import prose
+    from ktlong.conversation import Conversation
+
+    if document:
+        from ktlong.documents import read_document
+
+        doc = read_document(document).text
+    else:
+        doc = tok.decode(tok(prose.text(tok, context + 64), add_special_tokens=False)
+                         ["input_ids"][:context])
+    conv = Conversation(tok, doc)
+    return conv.document_ids(), conv.prompt_ids(conv.question_text(QUESTION_TEXT))
 
 
 def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: int,
@@ -289,11 +329,15 @@ def run(contexts: list[int], kv_types: list[str], tier: str, steps: int, runs: i
                                    profile]
                 rows.append(_spawn(f"{profile} {kv_type}", ["prose", *args] if prose else args))
                 rows[-1]["asked"] = n or document
-        for peer in peers if not document else ():
-            log(f"{peer}: {n:,} tokens of synthetic KV ...")
-            rows.append(_spawn(peer, ["llamacpp", str(path), peer, n, steps, runs, threads],
-                               peer_env()))
-            rows[-1]["asked"] = n
+        for peer in peers:
+            if prose:
+                log(f"{peer}: {document or f'{n:,} tokens of real prose'}, its own prefill ...")
+                args = ["llamacpp-prose", str(path), peer, n, steps, runs, threads, document]
+            else:
+                log(f"{peer}: {n:,} tokens of synthetic KV ...")
+                args = ["llamacpp", str(path), peer, n, steps, runs, threads]
+            rows.append(_spawn(peer, args, peer_env()))
+            rows[-1]["asked"] = n or document
     for r in rows:  # speed over the first row's at the same context
         base = next(b for b in rows if b["asked"] == r["asked"])
         r["vs_first_type"] = r["tok_s"] / base["tok_s"]
@@ -350,5 +394,6 @@ def print_table(data: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     _args = json.loads(sys.argv[1])
-    _workers = {"llamacpp": llamacpp_worker, "prose": prose_worker}
+    _workers = {"llamacpp": llamacpp_worker, "llamacpp-prose": llamacpp_prose_worker,
+                "prose": prose_worker}
     print(json.dumps(_workers[_args[0]](*_args[1:]) if _args[0] in _workers else worker(*_args)))
