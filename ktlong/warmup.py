@@ -17,7 +17,7 @@ without one is announced first ("compiling kernels, once, ~N s").
 `compile_seconds()` is the running total of time spent compiling in this process (Numba's
 `numba:compile` events); the engine subtracts what accrues during a prefill or a decode from its
 stats, so a signature the warm-up missed still never shows up as slow tokens, and
-`stray_compile_seconds()` is the part of it spent outside a warm-up (the tests hold it at 0).
+`unwarmed_signatures()` lists what ran outside a warm-up (the tests hold it empty).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ ESTIMATE_S = {"decode": 34.0, "sparse": 17.0, "prefill": 27.0, "weights": 4.0}
 
 _lock = threading.RLock()
 _done: set[str] = set()  # parts warmed in this process
-_warm_s = 0.0  # compile seconds spent inside warm_up
 _warmed: set[tuple[Any, Any]] = set()  # (dispatcher, signature) that appeared inside warm_up
 
 
@@ -74,11 +73,6 @@ event.register("numba:compile", _CLOCK)  # compiles run under Numba's global loc
 def compile_seconds() -> float:
     """Seconds this process has spent compiling Numba kernels so far."""
     return _CLOCK.total
-
-
-def stray_compile_seconds() -> float:
-    """Seconds this process has compiled outside `warm_up`: a signature no warm-up covered."""
-    return compile_seconds() - _warm_s
 
 
 def unwarmed_signatures() -> dict[str, set[Any]]:
@@ -218,7 +212,6 @@ def warm_up(lm: Any, settings: Any, note: Note | None = None,
     """Load or compile every kernel `lm` under `settings` will run over a context of up to
     n_tokens (None: any; once per process and configuration); says so through `note` (default:
     a line on stderr) when some must compile. Returns the seconds spent compiling."""
-    global _warm_s
     with _lock:
         todo = [p for p in parts(lm, settings, n_tokens, dense_below) if p.key not in _done]
         if not todo:
@@ -236,7 +229,6 @@ def warm_up(lm: Any, settings: Any, note: Note | None = None,
             _done.add(p.key)
             if p in cold:  # the same Part objects
                 _mark(p, compile_seconds() - t0)
-        _warm_s += compile_seconds() - c0
         _warmed.update(_signatures() - had)
         return compile_seconds() - c0
 
