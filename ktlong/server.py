@@ -1,7 +1,8 @@
 """`ktlong serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the `serve` extra).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models,
-GET /health (whether the engine is busy, how many requests wait). Requests are checked here
+GET /health (whether the engine is busy, how many requests wait), and the chat page at `/` with
+its routes (`ktlong.chatpage`). Requests are checked here
 (JSON, model name, parameters, prompt length: a 4xx with an OpenAI error body, never a
 traceback), rendered to ids, and handed to `serving.Engine`, which runs one at a time on the same
 `Session` as `ktlong chat` and reuses the longest prefix it already holds or the prompt cache has.
@@ -11,6 +12,13 @@ A stream is Server-Sent Events as OpenAI sends them: `data: {json}` chunks of ob
 finish_reason; a usage chunk when `stream_options.include_usage`), then `data: [DONE]`. While a
 long prompt is prefilled, SSE comments (`: prefill DONE/TOTAL tokens`) keep the connection alive;
 clients ignore them. A client that leaves stops its request at the next token or prefill chunk.
+
+A chat request may carry `"ktlong": {"document": ID, "passages": K}` (the page sends it; OpenAI
+clients through `extra_body`): ID an uploaded document (`ktlong.chatpage`), placed as `-f` places
+its document; K > 0 asks for the K passages the answer's selection attended most
+(`ktlong.passages`). The answer then ends with `"ktlong": {"passages": [...], "stats": {...}}`
+(the engine's prefill seconds, tok/s, context): a field of the response, or, streamed, one more
+`data:` event before `[DONE]` with `"object": "ktlong.answer"` and no choices.
 
 A chat longer than max_seq_len (`overflow: SHIFT`, the default) loses its oldest turns instead of
 a 400 (`serving.Renderer.fit`: never the system messages, the `-f` document or the last user
@@ -38,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ktlong import __version__
+from ktlong import __version__, chatpage
 from ktlong.config import Settings
 from ktlong.engine import Sampling, check_fits
 from ktlong.errors import KtlongError
@@ -105,6 +113,28 @@ class Params:
     stop: list[str]
     stream: bool
     include_usage: bool
+    document: str | None = None  # "ktlong": {"document": ID}: an uploaded document
+    passages: int = 0  # "ktlong": {"passages": K}
+    extra: bool = False  # "ktlong" was given: the answer ends with its "ktlong" numbers
+
+
+def _extra(body: dict[str, Any]) -> tuple[str | None, int, bool]:
+    """The request's `"ktlong"` object: (document id, passages, whether it was given)."""
+    opts = body.get("ktlong")
+    if opts is None:
+        return None, 0, False
+    if not isinstance(opts, dict):
+        raise ApiError(400, "ktlong must be an object, e.g. {\"passages\": 3}", param="ktlong",
+                       code="invalid_value")
+    doc = opts.get("document")
+    if doc is not None and not isinstance(doc, str):
+        raise ApiError(400, "ktlong.document must be the id an upload returned",
+                       param="ktlong.document", code="invalid_value")
+    passages = opts.get("passages", 0)
+    if not isinstance(passages, int) or isinstance(passages, bool) or not 0 <= passages <= 16:
+        raise ApiError(400, f"ktlong.passages must be an integer in [0, 16], got "
+                       f"{json.dumps(passages)}", param="ktlong.passages", code="invalid_value")
+    return doc, passages, True
 
 
 def _params(body: dict[str, Any], settings: Settings) -> Params:
@@ -148,7 +178,7 @@ def _params(body: dict[str, Any], settings: Settings) -> Params:
         top_k=top_k if top_k is not None else base.top_k,
         seed=seed % (1 << 63) if seed is not None else base.seed,
     )
-    return Params(sampling, stops, stream, bool(opts.get("include_usage")))
+    return Params(sampling, stops, stream, bool(opts.get("include_usage")), *_extra(body))
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -200,6 +230,7 @@ class Server:
         self.engine, self.renderer, self.model_id = engine, renderer, model_id
         self.api_key = api_key or None
         self.created = int(time.time())
+        self.documents = chatpage.Documents()
         self.app = self._build()
 
     def _build(self) -> Any:
@@ -258,6 +289,7 @@ class Server:
             prompt = _prompt(body, self.engine.lm.spec.vocab_size)
             return await self._complete(request, body, "text", prompt)
 
+        chatpage.add_routes(app, self)
         return app
 
     # --- pieces ------------------------------------------------------------------------------
@@ -265,13 +297,19 @@ class Server:
         return {"id": self.model_id, "object": "model", "created": self.created,
                 "owned_by": "ktlong"}
 
-    def _auth(self, request: Any) -> None:
+    def authorized(self, request: Any) -> bool:
+        """No --api-key, `Authorization: Bearer KEY`, or the chat page's cookie."""
         if self.api_key is None:
-            return
+            return True
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self.api_key.encode()):
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              self.api_key.encode()):
+            return True
+        return chatpage.cookie_ok(self.api_key, request)
+
+    def _auth(self, request: Any) -> None:
+        if not self.authorized(request):
             raise ApiError(401, "invalid API key: send the server's --api-key as "
                                 "'Authorization: Bearer KEY'", code="invalid_api_key")
 
@@ -301,13 +339,23 @@ class Server:
         for the answer, with overflow SHIFT) and the job's `fit` (None: no turns to drop)."""
         st = self.engine.settings
         if kind != "chat":
+            if params.document is not None:
+                raise ApiError(400, "ktlong.document is for /v1/chat/completions",
+                               param="ktlong.document", code="invalid_value")
             return Fitted(self.renderer.completion(what)), None
+        renderer = self.renderer
+        if params.document is not None:
+            if self.renderer.document:
+                raise ApiError(400, "this server serves its --prompt-file document with every "
+                               "chat: ktlong.document cannot replace it",
+                               param="ktlong.document", code="invalid_value")
+            renderer = self.documents.get(params.document).renderer
         if st.overflow != "SHIFT":
-            return Fitted(self.renderer.chat(what)), None
+            return Fitted(renderer.chat(what)), None
         room = min(params.sampling.max_new_tokens, st.max_new_tokens)
 
         def fit(limit: int) -> Fitted:
-            return self.renderer.fit(what, limit, lambda p: prompt_rows(st, p))
+            return renderer.fit(what, limit, lambda p: prompt_rows(st, p))
 
         return fit(st.max_seq_len - room), fit
 
@@ -343,7 +391,7 @@ class Server:
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no", **headers})
         job, events = self._submit(prompt, params, loop, fit, dropped)
-        text, end = [], None
+        text, end, passages = [], None, []
         try:
             while end is None:
                 try:
@@ -354,6 +402,8 @@ class Server:
                     continue
                 if ev[0] == "text":
                     text.append(ev[1])
+                elif ev[0] == "passages":
+                    passages = ev[1]
                 elif ev[0] == "error":
                     raise _from_exception(ev[1])
                 elif ev[0] == "end":
@@ -370,13 +420,26 @@ class Server:
                       "finish_reason": finish}
         if "dropped_messages" in usage:  # and more may have gone mid-answer
             headers[DROPPED_HEADER] = str(usage["dropped_messages"])
-        return JSONResponse({**head, "choices": [choice], "usage": usage}, headers=headers)
+        out = {**head, "choices": [choice], "usage": usage}
+        if params.extra:
+            out["ktlong"] = self._extra_answer(passages, end[3])
+        return JSONResponse(out, headers=headers)
+
+    def _extra_answer(self, passages: list[dict[str, Any]],
+                      stats: dict[str, Any]) -> dict[str, Any]:
+        """The answer's `"ktlong"` object: the passages it attended most and the engine's
+        numbers (prefill seconds, tok/s, context used)."""
+        health = self.engine.health()
+        return {"passages": passages, "stats": {
+            **stats, "context_tokens": health["context_tokens"],
+            "max_seq_len": health["max_seq_len"]}}
 
     def _submit(self, prompt: Prompt, params: Params, loop: asyncio.AbstractEventLoop,
                 fit: Any = None, dropped: list[int] | None = None) -> tuple[Job, asyncio.Queue]:
         events: asyncio.Queue = asyncio.Queue()
         job = Job(prompt, params.sampling, lambda ev: loop.call_soon_threadsafe(
-            events.put_nowait, ev), params.stop, fit=fit, dropped=dropped)
+            events.put_nowait, ev), params.stop, fit=fit, dropped=dropped,
+            passages=params.passages)
         self.engine.submit(job)
         return job, events
 
@@ -394,6 +457,7 @@ class Server:
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
         job, events = self._submit(prompt, params, asyncio.get_running_loop(), fit, dropped)
+        passages: list[dict[str, Any]] = []
         try:
             while True:
                 ev = await events.get()
@@ -407,6 +471,8 @@ class Server:
                         yield chunk(role="assistant", content="")
                 elif ev[0] == "text":
                     yield chunk(content=ev[1])
+                elif ev[0] == "passages":
+                    passages = ev[1]
                 elif ev[0] == "error":
                     yield f"data: {json.dumps(_from_exception(ev[1]).body())}\n\n"
                     return
@@ -414,6 +480,10 @@ class Server:
                     yield chunk(ev[1])
                     if params.include_usage:
                         yield f"data: {json.dumps({**head, 'choices': [], 'usage': ev[2]})}\n\n"
+                    if params.extra:
+                        extra = {**head, "object": "ktlong.answer", "choices": [],
+                                 "ktlong": self._extra_answer(passages, ev[3])}
+                        yield f"data: {json.dumps(extra)}\n\n"
                     yield "data: [DONE]\n\n"
                     return
         finally:
@@ -503,7 +573,8 @@ def run(model: Path | None, prompt_file: str | list[str] | None, settings: Setti
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         ui.note(f"warning: listening on {host} without --api-key: anyone who reaches this "
                 "address can use the model")
-    ui.note(f"serving {server.model_id} at http://{host}:{port}/v1 (OpenAI API); Ctrl-C stops")
+    ui.note(f"serving {server.model_id} at http://{host}:{port}/v1 (OpenAI API), the chat page "
+            f"at http://{host}:{port}/; Ctrl-C stops")
     try:
         uvicorn.run(server.app, host=host, port=port, log_level="info", lifespan="off")
     finally:

@@ -11,8 +11,10 @@ torch's threads stay with one Python thread). A job's prompt reuses the live sto
 common prefix (the store is cut back to it, then extended), or, when the live store shares less
 than the prompt cache on disk has, a session opened from the cache (`open_document`). A job
 reports through `emit(event)`: ("progress", done, total), ("start", prompt_tokens,
-cached_tokens), ("text", str), ("end", finish_reason, usage), ("error", exception). Setting its
-`cancel` event stops it at the next token or prefill chunk and frees the engine.
+cached_tokens), ("text", str), ("passages", [dict]) when it asks for them (`ktlong.passages`:
+what the answer attended most, before "end"), ("end", finish_reason, usage, stats: the numbers of
+`Engine.last`), ("error", exception). Setting its `cancel` event stops it at the next token or
+prefill chunk and frees the engine.
 
 Context shift (`overflow: SHIFT`, chat requests only): `Renderer.fit` leaves out the oldest
 non-system messages, whole turns at a time (a user message and what follows it up to the next
@@ -264,6 +266,7 @@ class Job:
     fit: Callable[[int], Fitted] | None = None
     dropped: list[int] | None = None  # a chat's [messages, tokens] left out so far
     moved: int = 0  # tokens whose K,V a context shift moved (reused) for this job
+    passages: int = 0  # report this many passages the answer attended most (0: none)
 
 
 class Engine:
@@ -358,15 +361,20 @@ class Engine:
                      "decode_tok_s": round(n_new / decode_s, 2) if decode_s > 0 else 0.0,
                      "dropped_messages": dropped[0], "dropped_tokens": dropped[1],
                      "moved_tokens": job.moved}
-        job.emit(("end", finish, usage))
+        job.emit(("end", finish, usage, dict(self.last)))
 
     def _generate(self, s: Session, job: Job) -> tuple[str, int]:
         """Decode until EOS, a stop string, max_tokens, a full store or a cancel."""
-        text, finish, n = StopText(job.stop), "length", 0
+        text, finish, n, flush = StopText(job.stop), "length", 0, True
         make_room = self._make_room(s, job) if job.fit is not None else None
         ids = job.prompt.ids
         steps = s.generate(job.sampling, make_room,  # type: ignore[arg-type]
                            ids[len(ids) - job.prompt.after:])
+        recorder = None
+        if job.passages:
+            from ktlong.attnmap import SelectionRecorder
+
+            recorder = SelectionRecorder(s.policy).__enter__()
         try:
             for step in steps:
                 if step.token_id in self.lm.eos_ids:
@@ -376,19 +384,37 @@ class Engine:
                 out, hit = text.feed(step.text)
                 if out:
                     job.emit(("text", out))
-                if hit:
-                    return "stop", n
-                if job.cancel.is_set():
-                    return "cancelled", n
+                if hit or job.cancel.is_set():  # what StopText holds back is not sent
+                    finish, flush = "stop" if hit else "cancelled", False
+                    break
         except KtlongError:  # the store is full (max_seq_len) mid-answer, no turn left to drop
             s.truncate(len(s.tokens))
             finish = "length"
         finally:
             steps.close()
-        tail = text.flush()
+            if recorder is not None:
+                recorder.__exit__()
+        tail = text.flush() if flush else ""
         if tail:
             job.emit(("text", tail))
+        if recorder is not None and finish != "cancelled":
+            job.emit(("passages", self._passages(s, job, recorder.records)))
         return finish, n
+
+    def _passages(self, s: Session, job: Job, records: list[Any]) -> list[dict[str, Any]]:
+        """The document passages the answer's selection attended most (`ktlong.passages`)."""
+        from ktlong.passages import top_passages
+
+        p = job.prompt
+        doc = (len(p.head), p.prefix) if p.head is not None and p.prefix else \
+            (0, p.prefix or len(p.ids))
+        attn = self.lm.model.model.layers[0].self_attn
+        scale = float(getattr(attn, "scaling", self.lm.spec.head_dim ** -0.5))
+
+        def decode(ids: list[int]) -> str:
+            return self.lm.tokenizer.decode(ids, skip_special_tokens=True)
+
+        return [x.to_dict() for x in top_passages(s, records, scale, doc, decode, job.passages)]
 
     def _make_room(self, s: Session, job: Job) -> Callable[[int], None]:
         """generate's hook when the store is full mid-answer: the prompt without more of its

@@ -13,11 +13,19 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ktlong import registry
+from ktlong import modelstores, registry
 from ktlong.cli import _model, app
 from ktlong.errors import KtlongError
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def no_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own ollama, hub cache and LM Studio folders stay out of these tests."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for var in ("OLLAMA_MODELS", "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
 
 
 def run(*args: str) -> object:
@@ -130,7 +138,7 @@ def test_paths_pass_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.chdir(tmp_path)
     (tmp_path / "smollm2").mkdir()  # an existing path wins over a name
     assert registry.resolve_model("smollm2") == Path("smollm2")
-    for value in ("missing.gguf", "models/missing", Path("missing.gguf")):
+    for value in ("missing.gguf", "./models/missing", "/models/missing", Path("missing.gguf")):
         assert registry.resolve_model(value) == Path(value)  # the loader says it does not exist
     assert registry.known() == ("smollm2", "gemma3-270m")
     assert isinstance(_model("gemma3-270m.gguf"), str)  # bench e2e's --model is a str
@@ -154,9 +162,10 @@ def test_unknown_name_is_one_error_with_the_known_names(args: list[str]) -> None
     r = run(*args, "smolm2")
     assert r.exit_code == 2
     assert r.stderr.splitlines() == [
-        "error: model path smolm2 does not exist",
-        "hint: did you mean smollm2? pass --model with a Hugging Face folder, a .gguf file or a "
-        "known name: smollm2, gemma3-270m"]
+        "error: model smolm2: no such file or folder, and no model of that name in ktlong's "
+        f"names (smollm2, gemma3-270m); ollama ({modelstores.ollama_root()}); the Hugging Face "
+        f"hub cache ({modelstores.hub_root()}); LM Studio ("
+        + ", ".join(map(str, modelstores.lmstudio_roots())) + ") (did you mean smollm2?)"]
 
 
 def test_help_names_the_known_models() -> None:
