@@ -43,7 +43,7 @@ from ktlong.memory import stays_resident
 from ktlong.minference import prefill_key
 from ktlong.model import LoadedModel
 from ktlong.spec import ModelSpec
-from ktlong.weights import bf16_prefill
+from ktlong.weights import prefill_precision
 
 MAGIC = b"KTLONGKV"
 VERSION = 2  # written; 1 (BF16 anchors) is read too, its anchors converted
@@ -96,8 +96,9 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     key.update(prefill_key(spec, settings))  # a windowed or sparse prefill makes other KV
     if settings.attention == "LOCRET":  # what was kept
         key["locret"] = locret_key(spec, settings)
-    if bf16_prefill(spec.hidden_size, settings.prefill_matmul):  # BF16 products: other KV
-        key["prefill_matmul"] = "BF16"
+    precision = prefill_precision(spec.hidden_size, settings.prefill_matmul)
+    if precision != "FP32":  # BF16 or int8 products: other KV
+        key["prefill_matmul"] = precision
     return key
 
 
@@ -554,7 +555,11 @@ def open_document(
     """A Session whose store holds `ids` (the document's prompt tokens).
 
     Uses the longest cache entry whose tokens are a prefix of `ids` and prefills only the rest;
-    with no entry, prefills and stores the result. A damaged or stale entry is reported in
+    with no entry, prefills and stores the result. An entry that holds all of `ids` is taken as
+    it is: its session has no logits yet (the caller appends the question). Feeding its last
+    token again would recompute that token's K,V one row at a time, reading the rows before it
+    from the store where the document's own prefill read them in its chunk, and the same
+    question would get another answer than it does without the cache. A damaged or stale entry is reported in
     `Opened.note`, removed and recomputed. A failed write (disk full) costs the cache, not the chat.
     """
     n = len(ids)
@@ -578,8 +583,6 @@ def open_document(
                 session = Session(lm, settings, store=store, tokens=cached_ids)
                 if len(cached_ids) < len(ids):
                     session.prefill(ids[len(cached_ids) :], progress)
-                else:
-                    session.extend_to(ids)  # re-feeds the last token for its logits
                 return Opened(session, "cache", entry.path, verify_s=spent)
             except DamagedEntry as e:
                 note = f"prompt cache entry {entry.path.name} is damaged ({e}); recomputing"
@@ -600,8 +603,6 @@ def open_document(
                         "type too")
                 if len(cached_ids) < len(ids):
                     session.prefill(ids[len(cached_ids) :], progress)
-                else:
-                    session.extend_to(ids)
             except DamagedEntry as e:
                 note = f"prompt cache entry {other.path.name} is damaged ({e}); recomputing"
                 other.path.unlink(missing_ok=True)
