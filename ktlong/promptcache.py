@@ -43,7 +43,7 @@ from ktlong.memory import stays_resident
 from ktlong.minference import prefill_key
 from ktlong.model import LoadedModel
 from ktlong.spec import ModelSpec
-from ktlong.weights import prefill_precision
+from ktlong.weights import bf16_prefill
 
 MAGIC = b"KTLONGKV"
 VERSION = 2  # written; 1 (BF16 anchors) is read too, its anchors converted
@@ -96,9 +96,8 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     key.update(prefill_key(spec, settings))  # a windowed or sparse prefill makes other KV
     if settings.attention == "LOCRET":  # what was kept
         key["locret"] = locret_key(spec, settings)
-    precision = prefill_precision(spec.hidden_size, settings.prefill_matmul)
-    if precision != "FP32":  # BF16 or int8 products: other KV
-        key["prefill_matmul"] = precision
+    if bf16_prefill(spec.hidden_size, settings.prefill_matmul):  # BF16 products: other KV
+        key["prefill_matmul"] = "BF16"
     return key
 
 
@@ -559,8 +558,8 @@ def open_document(
     it is: its session has no logits yet (the caller appends the question). Feeding its last
     token again would recompute that token's K,V one row at a time, reading the rows before it
     from the store where the document's own prefill read them in its chunk, and the same
-    question would get another answer than it does without the cache. A damaged or stale entry is reported in
-    `Opened.note`, removed and recomputed. A failed write (disk full) costs the cache, not the chat.
+    question would get another answer than it does without the cache. A damaged or stale entry
+    is reported in `Opened.note`, removed and recomputed. A failed write (disk full) costs the cache, not the chat.
     """
     n = len(ids)
     if settings.attention == "LOCRET":  # read within its budget, a chunk at a time
