@@ -46,7 +46,7 @@ from ._vec import (
     vzero,
 )
 from .kvquant import head_dim_of, kv_dim, kv_row_bytes
-from .threads import use_threads
+from .threads import split_threads, use_threads
 
 CH = 128  # rows per chunk (a multiple of 4): the next chunk is prefetched during this one
 PAGE = 4096  # bytes: the next chunk's rows are touched one per page
@@ -718,7 +718,8 @@ def attend_rows(kv: LayerKV, q, r0: int, r1: int, scale: float) -> np.ndarray:
     if not 0 <= r0 < r1 <= kv.k_tail.shape[1]:
         raise ValueError(f"rows [{r0}, {r1}) are outside the buffer's {kv.k_tail.shape[1]}")
     ids = readonly(np.arange(r0, r1, dtype=np.int32)[None])  # [1, n] one-row blocks
-    n_split = max(1, min(-(-use_threads() // kv.hkv), (r1 - r0) // ROWS_PER_ITEM))
+    use_threads()
+    n_split = max(1, min(-(-split_threads() // kv.hkv), (r1 - r0) // ROWS_PER_ITEM))
     return _attend(kv.query(q), kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, 0, ids,
                    _NO_SHIFTS, r1, r1, n_split, F32(scale * LOG2E), kv.perm, _NO_TURNS.tab,
                    _NO_TURNS.rot)[0]
@@ -799,8 +800,10 @@ def checked_shifts(shifts, turns: Turns | None, shape: tuple, kv: LayerKV):
 
 
 def items_per_head(hkv: int) -> int:
-    """Parts each KV head's blocks are split into: at least 4 items a thread."""
-    return max(1, -(-4 * use_threads() // hkv))
+    """Parts each KV head's blocks are split into: at least 4 items a thread (of the machine's:
+    `split_threads`). Applies the session's thread count to the calling thread."""
+    use_threads()
+    return max(1, -(-4 * split_threads() // hkv))
 
 
 def attend_blocks_ref(q, k_base, v_base, k_tail, v_tail, nb_base, blocks, n_tokens, scale, kv_kind,

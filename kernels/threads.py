@@ -101,6 +101,13 @@ def auto_threads() -> int:
     return max(floor, min(usable_cores(), int(idle_cores() + 0.5)))
 
 
+def split_threads() -> int:
+    """The thread count that sizes a kernel's work split where the split decides float rounding
+    (attention parts merged by log-sum-exp, vote parts): the machine's, not the session's, so an
+    answer does not change with `-t` or with how busy the cores were when the chat began."""
+    return numba.config.NUMBA_NUM_THREADS
+
+
 def use_threads() -> int:
     """Apply the configured thread count to the calling thread; returns it. Numba is asked only
     when the count changed: its two getters cost ~30 us a decode step after a cache flush."""

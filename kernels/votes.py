@@ -26,7 +26,7 @@ from ._vec import (
 )
 from .attention import CH, channel_perm, pack_rows, qk_tiles
 from .kvquant import head_dim_of, kv_dim
-from .threads import use_threads
+from .threads import split_threads, use_threads
 
 
 @njit(nogil=True, cache=True, fastmath=FASTMATH)
@@ -136,7 +136,8 @@ def query_votes(qw, k_base, k_tail, nb_base, n_tokens, scale, kv_kind):
         raise ValueError("n_tokens exceeds the store")
     rows = readonly(qw, F32).reshape(hq * nw, d)  # rows (head, w) per group
     qp = pack_rows(rows, hkv, channel_perm(d, kv_kind), F32(scale * LOG2E))  # [Hkv, ceil4(gW), P]
-    n_split = max(1, min(-(-4 * use_threads() // hkv), -(-n_tokens // bs)))  # >= 4 items a thread
+    use_threads()
+    n_split = max(1, min(-(-4 * split_threads() // hkv), -(-n_tokens // bs)))  # 4 a thread
     return _votes(qp, kb, kt, nb_base, n_tokens, nw, (hq // hkv) * nw, n_split)
 
 
