@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ktlong import kernels
 from ktlong.engine import Sampling
@@ -42,22 +43,31 @@ def _ids(lm, n, seed=5):
 
 
 def _answer(session, n=12):
+    """A question appended (as the chat does after opening a document), then n tokens."""
+    session.extend_to(list(session.tokens) + _ids(session.lm, 9, seed=11))
     return [s.token_id for s in session.generate(Sampling(max_new_tokens=n))]
 
 
 @pytest.mark.parametrize("kv_type", ["FP32", "BF16", "FP16"])
 @pytest.mark.parametrize("n", [1200, 1200 - 1200 % 16])  # a partial last block, and none
 def test_cache_hit_decodes_like_the_fresh_prefill(lm, kv_type, n, tmp_path):
+    """The question after a cached document gets the same logits, bit for bit, and the same
+    answer as after the document's own prefill (an entry is opened as it is: its last token is
+    not fed again, which would recompute its row alone)."""
     st = settings(kv_type=kv_type, anchor_type="MEAN")
     ids = _ids(lm, n)
     first = open_document(lm, st, ids, cache_dir=tmp_path)
     assert first.source == "prefill" and first.entry.exists()
-    fresh = _answer(first.session)
     again = open_document(lm, st, ids, cache_dir=tmp_path)
     assert again.source == "cache" and again.entry == first.entry
     assert again.session.store.nb_base > 0  # the KV really comes from the mapped file
     assert isinstance(again.session.store.k_base[0], np.memmap)
-    assert _answer(again.session) == fresh
+    assert again.session.logits is None  # nothing recomputed: the question brings the logits
+    question = ids + _ids(lm, 9, seed=11)
+    first.session.extend_to(question)
+    again.session.extend_to(question)
+    assert torch.equal(again.session.logits, first.session.logits)
+    assert _answer(again.session) == _answer(first.session)
 
 
 def test_entry_serves_any_conversation_that_starts_with_the_document(lm, tmp_path):

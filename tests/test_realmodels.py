@@ -253,3 +253,38 @@ def test_a_real_chat_step_reads_its_budget_and_nothing_from_disk(models, home, t
         if source == "cache":
             assert s.store.mapped
             assert _read_bytes() - io0 < 1 << 20  # the entry's blocks came from memory
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_the_cache_and_the_thread_count_leave_the_answer_as_it_was(models, tmp_path, name):
+    """3,000 tokens of real prose read sparsely (a budget of ~1,800 tokens a step): the question
+    after the document from the prompt cache gets the logits, bit for bit, and the greedy answer
+    that it gets after the document's own prefill; decoding on 1 thread instead of 2 too (the
+    attention's work split is the machine's, not the session's)."""
+    import dataclasses
+
+    from ktlong.conversation import Conversation
+    from ktlong.fit import fit_to_model
+    from ktlong.promptcache import open_document
+
+    lm = load_model(models[name])
+    st = fit_to_model(resolve_settings(None, {
+        "threads_num": 2, "second_select_num": 8, "local_windows_len": 512, "init_len": 128},
+        config_file=False), lm.spec).settings
+    conv = Conversation(lm.tokenizer, lm.tokenizer.decode(_ids(lm.tokenizer, 3000)))
+    ids = conv.document_ids()
+    question = conv.prompt_ids(conv.question_text("What does the license say about patents?"))
+    runs = []
+    for threads in (2, 2, 1):  # the first reads the document and writes its entry
+        opened = open_document(lm, st, ids, cache_dir=tmp_path)
+        s = opened.session
+        s.settings = dataclasses.replace(st, threads_num=threads)
+        s.extend_to(question)
+        logits = s.logits.clone()
+        answer = [step.token_id for step in s.generate(Sampling(max_new_tokens=24))]
+        runs.append((opened.source, logits, answer))
+    assert [r[0] for r in runs] == ["prefill", "cache", "cache"]
+    assert s.policy.sparse_for(len(question))
+    for source, logits, answer in runs[1:]:
+        assert torch.equal(logits, runs[0][1]), source
+        assert answer == runs[0][2], source
