@@ -7,9 +7,12 @@ that opens the first user message (the layout of `ktlong chat`, so `ktlong prefi
 shared). That prefix is tokenized apart from the rest, so its ids never depend on the question.
 
 `Engine` owns the one live `Session` and runs jobs one at a time on a worker thread (Numba's and
-torch's threads stay with one Python thread). A job's prompt reuses the live store's longest
-common prefix (the store is cut back to it, then extended), or, when the live store shares less
-than the prompt cache on disk has, a session opened from the cache (`open_document`). A job
+torch's threads stay with one Python thread). A prompt is read as its prefix, then the rest:
+a fresh session reads the prefix (or maps it from the prompt cache, `open_document`), then the
+rest; the live store is reused only when it holds the whole prefix, and is then cut back to the
+prefix's end (or extended, when the prompt goes on from everything it holds: the next turn). So
+the same request gets the same KV, and with greedy settings the same answer, whatever ran before
+it. A job
 reports through `emit(event)`: ("progress", done, total), ("start", prompt_tokens,
 cached_tokens), ("text", str), ("passages", [dict]) when it asks for them (`ktlong.passages`:
 what the answer attended most, before "end"), ("end", finish_reason, usage, stats: the numbers of
@@ -494,15 +497,14 @@ class Engine:
                 s.logits = None
         if s is not None:
             keep = s.common_prefix(ids)
+            if p and len(s.tokens) > keep >= p:  # another question on the same document
+                keep = p  # cut back where a fresh start splits the prompt (same KV, same answer)
             if not (keep == len(ids) == len(s.tokens) and s.logits is not None):
                 keep = min(keep, len(ids) - 1)  # the last id is fed again for its logits
             base = s.store.nb_base * s.store.shape.block_size  # read-only: cannot be cut
-            if keep >= base and (not disk or keep >= p or keep >= self._on_disk(ids[:p])):
-                s.template_head, prefilled = job.prompt.head, shifted
-                if disk and keep < p:  # the prefix goes to disk for the next start too
-                    prefilled += _extend(s, ids[:p], progress)
-                    self._store(s)
-                return s, prefilled + _extend(s, ids, progress)
+            if keep >= base and keep >= p:  # never from inside the prefix: read from its start
+                s.template_head = job.prompt.head
+                return s, shifted + _extend(s, ids, progress)
         if s is not None:
             self.session = s = None
             gc.collect()  # the old store goes before the new one is made (~0.4 s: not always)
@@ -517,28 +519,14 @@ class Engine:
             prefilled = s.stats.prompt_tokens if opened.source == "cache" else p
         else:
             s, prefilled = Session(self.lm, self.settings), 0
+            if 0 < p < len(ids):  # the prefix, then the rest: the split a reuse cuts back to
+                prefilled += _extend(s, ids[:p], progress)
         self.session = s
         s.template_head = job.prompt.head
         if len(ids) > len(s.tokens) or s.logits is None:
             prefilled += _extend(s, ids, progress)
         return s, prefilled
 
-    def _on_disk(self, ids: list[int]) -> int:
-        """Tokens of the longest prompt-cache entry that starts `ids` (0: none)."""
-        from ktlong.promptcache import content_key, open_cache
-
-        entry = open_cache(self.settings, self.cache_dir).find_prefix(
-            content_key(self.lm.spec, self.settings), ids)
-        return entry.header["n_tokens"] if entry else 0
-
-    def _store(self, s: Session) -> None:
-        from ktlong.promptcache import content_key, open_cache
-
-        try:
-            open_cache(self.settings, self.cache_dir).store(s, content_key(self.lm.spec,
-                                                                          self.settings))
-        except KtlongError as e:  # a full disk costs the cache, not the answer
-            self.notes.append(f"{e.message} ({e.hint})")
 
 
 def _extend(s: Session, ids: list[int], progress: Callable[[int, int], None]) -> int:
