@@ -519,10 +519,10 @@ class Engine:
             prefilled = s.stats.prompt_tokens if opened.source == "cache" else p
         else:
             s, prefilled = Session(self.lm, self.settings), 0
-            if 0 < p < len(ids):  # the prefix, then the rest: the split a reuse cuts back to
-                prefilled += _extend(s, ids[:p], progress)
         self.session = s
         s.template_head = job.prompt.head
+        if 0 < p < len(ids) and len(s.tokens) < p:  # the prefix, then the rest: the split a
+            prefilled += _extend(s, ids[:p], progress)  # reuse cuts back to
         if len(ids) > len(s.tokens) or s.logits is None:
             prefilled += _extend(s, ids, progress)
         return s, prefilled
