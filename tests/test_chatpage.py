@@ -222,7 +222,7 @@ def test_the_ktlong_object_is_checked(srv) -> None:
 
 # --- what the answer read ------------------------------------------------------------------------
 
-def test_block_scores_equal_a_plain_softmax_over_the_read_blocks() -> None:
+def test_token_scores_equal_a_plain_softmax_over_the_tokens_read() -> None:
     rng = np.random.default_rng(0)
     Hq, Hkv, d, bs, n = 4, 2, 8, 4, 37
     keys = {layer: rng.standard_normal((Hkv, n, d)).astype(np.float32) for layer in (0, 1)}
@@ -232,16 +232,25 @@ def test_block_scores_equal_a_plain_softmax_over_the_read_blocks() -> None:
             blocks = np.array([[0, 2, 5, (t - 1) // bs], [1, 2, 6, (t - 1) // bs]], np.int32)
             records.append(StepRecord(layer, t, rng.standard_normal((Hq, d)).astype(np.float32),
                                       blocks))
-    got = passages.block_scores(records, lambda layer, a, b: keys[layer][:, a:b], 0.35, bs, n)
-    want = np.zeros(-(-n // bs))
+    fetched = []
+
+    def fetch(layer: int, a: int, b: int) -> np.ndarray:
+        fetched.append((a, b))
+        return keys[layer][:, a:b]
+
+    got = passages.token_scores(records, fetch, 0.35, bs, n)
+    want = np.zeros(n)
     for r in records:
         for h in range(Hq):
-            s = keys[r.layer][h // 2, : r.n_tokens] @ r.q[h] * 0.35
+            row = r.blocks[h * 2 // Hq]  # SEPARATE: KV head h // 2's row of blocks
+            tok = np.array([t for t in range(r.n_tokens) if t // bs in set(row.tolist())])
+            s = keys[r.layer][h // 2, tok] @ r.q[h] * 0.35
             p = np.exp(s - s.max())
-            p /= p.sum()
-            for b in set(r.blocks[h * 2 // Hq].tolist()):  # SEPARATE: KV head h // 2's row
-                want[b] += p[b * bs:(b + 1) * bs].sum()
+            want[tok] += p / p.sum()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert got.sum() == pytest.approx(len(records) * Hq, rel=1e-5)
+    read = {t for a, b in fetched for t in range(a, b)}  # only the blocks some step read
+    assert read and all(t // bs in {0, 1, 2, 5, 6, 7, 8, 9} for t in read)
 
 
 def test_top_passages_are_the_blocks_the_selection_attended(monkeypatch) -> None:
@@ -260,6 +269,15 @@ def test_top_passages_are_the_blocks_the_selection_attended(monkeypatch) -> None
                                 k=1)
     assert [(p.start, p.end, p.text) for p in got] == [(36, 44, "<40-47>")]
     assert got[0].share > 0.9
+    # the first block's document tokens count; the template head before them (the sink) not
+    q5 = (k[0, 5] * 400).reshape(1, d)
+    got = passages.top_passages(session, [StepRecord(0, n, q5, every)], 1.0, (4, 90),
+                                lambda ids: f"<{ids[0]}-{ids[-1]}>", k=1)
+    assert [(p.start, p.end, p.text) for p in got] == [(0, 4, "<4-7>")] and got[0].share > 0.9
+    q2 = (k[0, 2] * 400).reshape(1, d)
+    got = passages.top_passages(session, [StepRecord(0, n, q2, every)], 1.0, (4, 90),
+                                lambda ids: "", k=3)
+    assert sum(p.share for p in got) < 0.1
     # a block the step did not read scores nothing, whatever its keys
     records = [StepRecord(0, n, q, np.array([[0, 1, 2, 3, 9, 10, 11]], np.int32))]
     got = passages.top_passages(session, records, 1.0, (4, 90), lambda ids: "", k=3)
