@@ -333,8 +333,18 @@ FINDERS = (("ktlong", find_ktlong), ("ollama", find_ollama), ("huggingface", fin
 def find(name: str) -> Found | None:
     """The model `-m name` means: the first store that holds it (a line on stderr when another
     holds it too), None when none does."""
-    hits = [f for _, finder in FINDERS if (f := finder(name)) is not None]
+    hits, problems = [], []
+    for _, finder in FINDERS:
+        try:
+            found = finder(name)
+        except KtlongError as e:  # e.g. ktlong's name whose package is missing: another
+            problems.append(e)  # store may hold the name
+            continue
+        if found is not None:
+            hits.append(found)
     if not hits:
+        if problems:
+            raise problems[0]
         return None
     first = hits[0]
     if len(hits) > 1:

