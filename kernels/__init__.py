@@ -124,6 +124,14 @@ try:
         rope_ref,
     )
     from .qlinear import dequant, dequant_rows, qgemv, qgemv2, qgemv_ref  # noqa: E402
+    from .qmatmul import (  # noqa: E402
+        INT8_GEMM,
+        gemm_path,
+        qgemm,
+        qgemm_ref,
+        qgemm_rounding,
+        quantise_rows,
+    )
     from .step import select_attend, select_attend_layer, select_attend_ref  # noqa: E402
     from .votes import block_lse, query_votes, query_votes_ref, turn_blocks  # noqa: E402
 finally:
@@ -135,15 +143,15 @@ from .threads import auto_threads, configure_threads  # noqa: E402
 KV_KINDS = {"FP32": 0, "BF16": 1, "FP16": 2}
 
 __all__ = [
-    "KV_KINDS", "Q8_EXTRA", "add_norm", "anchor_view", "anchors_to_f64", "AnchorView",
+    "INT8_GEMM", "KV_KINDS", "Q8_EXTRA", "add_norm", "anchor_view", "anchors_to_f64", "AnchorView",
     "attend_blocks", "attend_blocks_ref", "attend_layer", "attend_merge", "attend_rows",
-    "attend_rows_ref",
-    "auto_threads", "block_lse", "cache_dir", "cache_is_cold", "compute_anchors",
-    "compute_anchors_ref", "configure_threads", "dequant", "dequant_rows", "f32_to_kv", "gated",
-    "gated_ref", "gemv", "gemv_ref", "kv_to_f64", "layer_kv", "LayerKV", "merge_partials",
-    "merge_partials_ref", "prefill_index", "prefill_sparse", "put_token", "q8_encode", "qgemv",
-    "qgemv2", "qgemv_ref", "qk_rope", "query_votes", "query_votes_ref", "rmsnorm", "rmsnorm_ref",
-    "rope", "rope_ref", "rope_turns", "rows_kv", "score_blocks", "score_blocks_ref",
+    "attend_rows_ref", "auto_threads", "block_lse", "cache_dir", "cache_is_cold",
+    "compute_anchors", "compute_anchors_ref", "configure_threads", "dequant", "dequant_rows",
+    "f32_to_kv", "gated", "gated_ref", "gemm_path", "gemv", "gemv_ref", "kv_to_f64", "layer_kv",
+    "LayerKV", "merge_partials", "merge_partials_ref", "prefill_index", "prefill_sparse",
+    "put_token", "q8_encode", "qgemm", "qgemm_ref", "qgemm_rounding", "qgemv", "qgemv2",
+    "qgemv_ref", "qk_rope", "quantise_rows", "query_votes", "query_votes_ref", "rmsnorm",
+    "rmsnorm_ref", "rope", "rope_ref", "rope_turns", "rows_kv", "score_blocks", "score_blocks_ref",
     "select_attend", "select_attend_layer", "select_attend_ref", "select_blocks", "source_hash",
     "topk_blocks", "topk_blocks_ref", "turn_blocks", "turned_back_ref", "turned_ref", "Turns",
 ]

@@ -28,7 +28,7 @@ import numpy as np
 
 from ktlong.config import Settings
 from ktlong.conversation import Conversation, Turn
-from ktlong.documents import Document, read_document
+from ktlong.documents import Document, check_length, read_document
 from ktlong.errors import KtlongError
 
 PROGRESS_MIN_TOKENS = 2048  # a turn shorter than this prefills without a progress bar
@@ -471,6 +471,8 @@ def run(model: Path | None, prompt_file: str | list[str] | None, settings: Setti
     try:
         with ui.loading(model):
             lm = load_model(model, settings.device, weight_type=settings.weight_type)
+        if doc is not None:
+            check_length(doc, lm.tokenizer, settings.max_seq_len)  # before tokenizing it
         loop = ChatLoop(lm, settings, doc, ui, system, encoding, use_cache, cache_dir, lead)
         loop.open()
         if not questions:

@@ -93,11 +93,14 @@ class Settings:
                           "quantised tensors are read in place, a 16-bit checkpoint stays 16-bit",
                           choices=("AUTO", "BF16", "FP16", "FP32"))
     prefill_matmul: str = _f("enum", "AUTO", "runtime", "Precision of the prefill matmuls on "
-                             "the CPU: BF16 rounds activations and weight tiles to bfloat16 "
-                             "(about 2x the FP32 speed where the CPU has BF16 dot products, "
-                             "error ~4e-3 of a row's largest output, as llama.cpp's int8 "
-                             "activations); AUTO = BF16 on such a CPU for layers at least "
-                             "512 wide, else FP32", choices=("AUTO", "BF16", "FP32"))
+                             "the CPU: INT8 multiplies a GGUF file's quantised blocks by "
+                             "activations rounded to int8 (AMX or AVX512-VNNI, as llama.cpp's "
+                             "Q8 activations); BF16 rounds activations and weight tiles to "
+                             "bfloat16 (about 2x the FP32 speed where the CPU has BF16 dot "
+                             "products, error ~4e-3 of a row's largest output); AUTO = INT8 "
+                             "for quantised layers at least 1024 wide on such a CPU, else BF16 "
+                             "on a BF16 CPU for layers at least 512 wide, else FP32",
+                             choices=("AUTO", "INT8", "BF16", "FP32"))
     threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
                           "idle when a prefill or an answer starts and every 16 tokens of an "
                           "answer, at least the physical cores less one", 0)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import io
 import posixpath
 import re
+import stat
 import zipfile
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
@@ -24,7 +26,16 @@ from ktlong.errors import KtlongError
 
 DOCS_EXTRA = "pip install 'ktlong[docs]'"
 AGAIN = "the file is incomplete or corrupt: download or export it again"
-MAX_MEMBER = 1 << 30  # bytes a zip member may declare (a zip bomb is refused, not inflated)
+# Zip bombs are refused while inflating, never inflated whole: a member may hold MAX_MEMBER bytes,
+# all members read from one file MAX_UNPACKED, and past RATIO_FROM bytes a member may not inflate
+# more than MAX_RATIO times its compressed size (XML deflates 5-30x; a bomb ~1000x).
+MAX_MEMBER = 128 << 20
+MAX_UNPACKED = 256 << 20
+MAX_RATIO, RATIO_FROM = 200, 1 << 20
+# A PDF page's drawing instructions (its content stream) are parsed in Python at ~1 MB/s: past
+# CONTENT_FROM bytes, all pages' instructions may not exceed CONTENT_RATIO times the file's size
+# (one small stream inflated 1000x, or one stream drawn on thousands of pages, is a time bomb).
+CONTENT_RATIO, CONTENT_FROM = 100, 8 << 20
 
 
 @dataclass
@@ -251,9 +262,19 @@ def pdf(data: bytes, label: str) -> Extracted:
         except Exception as e:  # pypdf raises many types on a broken file
             raise KtlongError(f"{label} is a damaged PDF ({_why(e)})", hint=AGAIN) from None
         texts, dropped, blank_images, other_images = [], [], 0, 0
+        budget, drawn = max(CONTENT_FROM, CONTENT_RATIO * len(data)), 0
         for i, page in enumerate(pages, 1):
             try:
+                contents = page.get_contents()
+                drawn += len(contents.get_data()) if contents is not None else 0
+                if drawn > budget:
+                    raise KtlongError(
+                        f"{label} is a PDF bomb: its pages' drawing instructions inflate to "
+                        f"{drawn:,} bytes by page {i:,}, from a {len(data):,}-byte file (over "
+                        f"{CONTENT_RATIO}:1)", hint=AGAIN)
                 text, images = _page_text(page)
+            except KtlongError:
+                raise
             except Exception as e:
                 raise KtlongError(f"{label} is a damaged PDF: page {i} cannot be read "
                                   f"({_why(e)})", hint=AGAIN) from None
@@ -286,20 +307,37 @@ def _why(e: Exception) -> str:
 
 # --- zip-based formats (EPUB, DOCX) -------------------------------------------------------------
 class _Zip:
-    """A zip archive whose every failure is one KtlongError naming the file and the format."""
+    """A zip archive whose every failure is one KtlongError naming the file and the format.
+
+    Members are only ever read into memory, never extracted; names that would leave a folder
+    (absolute, `..`) or symbolic links are refused all the same, as no writer makes them."""
 
     def __init__(self, data: bytes, label: str, kind: str) -> None:
         self.label, self.kind = label, kind
+        self.unpacked = 0  # bytes inflated so far, all members
         try:
             self.zf = zipfile.ZipFile(io.BytesIO(data))
         except (zipfile.BadZipFile, OSError, ValueError) as e:
             raise self.damaged(f"not a readable zip archive: {e}") from None
+        for info in self.zf.infolist():
+            name = info.filename
+            if name.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", name) or ".." in \
+                    re.split(r"[/\\]", name):
+                raise self.damaged(f"a member's path {name!r} leaves the archive")
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise self.damaged(f"member {name} is a symbolic link")
         self.names = set(self.zf.namelist())
 
     def damaged(self, why: str) -> KtlongError:
         return KtlongError(f"{self.label} is a damaged {self.kind} ({why})", hint=AGAIN)
 
+    def bomb(self, why: str) -> KtlongError:
+        return KtlongError(f"{self.label} is a zip bomb, not a {self.kind}: {why}",
+                           hint="ktlong reads what EPUB and DOCX writers make; "
+                                "export the document again")
+
     def read(self, name: str) -> bytes:
+        """The member `name` inflated, checked against the limits as it streams."""
         try:
             info = self.zf.getinfo(name)
         except KeyError:
@@ -307,12 +345,30 @@ class _Zip:
         if info.flag_bits & 0x1:
             raise KtlongError(f"{self.label} is an encrypted {self.kind} (its zip archive needs "
                               "a password)", hint="save or export it again without a password")
-        if info.file_size > MAX_MEMBER:
-            raise self.damaged(f"{name} claims {info.file_size:,} bytes")
+        self._check(name, info.file_size, info.compress_size, "declares")
+        out = bytearray()
         try:
-            return self.zf.read(info)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+            with self.zf.open(info) as f:
+                while chunk := f.read(1 << 20):
+                    out += chunk
+                    self._check(name, len(out), info.compress_size, "inflates to")
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError,
+                zlib.error) as e:
             raise self.damaged(f"{name} cannot be unpacked: {e}") from None
+        if len(out) != info.file_size:
+            raise self.damaged(f"{name} inflates to {len(out):,} bytes, not the "
+                               f"{info.file_size:,} it declares")
+        self.unpacked += len(out)
+        return bytes(out)
+
+    def _check(self, name: str, size: int, packed: int, verb: str) -> None:
+        if size > MAX_MEMBER:
+            raise self.bomb(f"{name} {verb} more than {MAX_MEMBER >> 20} MiB")
+        if self.unpacked + size > MAX_UNPACKED:
+            raise self.bomb(f"its members {verb} more than {MAX_UNPACKED >> 20} MiB in all")
+        if size > RATIO_FROM and size > MAX_RATIO * max(packed, 1):
+            raise self.bomb(f"{name} {verb} {size:,} bytes from {packed:,} "
+                            f"(over {MAX_RATIO}:1)")
 
     def xml(self, name: str) -> ET.Element:
         try:
@@ -413,7 +469,10 @@ def docx(data: bytes, label: str) -> Extracted:
     if body is None:
         raise z.damaged(f"{main} has no body")
     counts: Counter[str] = Counter()
-    blocks = _docx_blocks(body, counts)
+    try:
+        blocks = _docx_blocks(body, counts)
+    except RecursionError:  # content controls nested thousands deep
+        raise z.damaged(f"{main} nests its elements too deep to read") from None
     dropped = _counted(counts)
     unread = [what for what, pattern in (("headers and footers", r"word/(header|footer)\d*\.xml"),
                                          ("footnotes", r"word/(foot|end)notes\.xml"),

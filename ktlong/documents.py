@@ -16,16 +16,22 @@ file name, or its path inside the folder). One file is read as it is, without th
 from __future__ import annotations
 
 import codecs
+import errno
+import os
 import re
+import stat
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ktlong.errors import KtlongError
 
-_SNIFF = 1 << 16  # bytes looked at for NUL bytes
+_SNIFF = 1 << 16  # bytes looked at for NUL bytes and control characters
+_SAMPLE = 1 << 20  # characters tokenized to estimate a long document's tokens
+MAX_BYTES = 1 << 30  # a file or stream past this is refused (the readers hold it in memory)
+_CONTROL = bytes([*range(1, 8), 0x0B, *range(0x0E, 0x1B), *range(0x1C, 0x20), 0x7F])
 _OLE = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"  # Office 97-2003 files, and password-protected ones
 _MAGIC = {b"\x1f\x8b": "a gzip file", b"\x7fELF": "a program", b"\x89PNG": "a PNG image",
           b"\xff\xd8\xff": "a JPEG image", b"GIF8": "a GIF image", b"GGUF": "a GGUF model file",
@@ -80,7 +86,8 @@ def read_document(source: str | Path | Sequence[str | Path], encoding: str | Non
         if stream.isatty():
             raise KtlongError(f"{what} '-' reads the document from stdin, but stdin is a terminal",
                               hint="pipe it in: cat book.txt | ktlong chat --prompt-file - ...")
-        return from_bytes(stream.read(), "<stdin>", encoding, what)
+        return from_bytes(_read_capped(stream, f"{what} '-' (stdin)"), "<stdin>", encoding,
+                          what)
     files: list[tuple[Path, str]] = []  # (path, title)
     skipped: list[str] = []
     for s in sources:
@@ -89,6 +96,9 @@ def read_document(source: str | Path | Sequence[str | Path], encoding: str | Non
                               hint="pass the files by name, or only '-'")
         path = Path(s).expanduser()
         if not path.exists():
+            if path.is_symlink():
+                raise KtlongError(f"{what} {path} is a symbolic link to a missing file, or "
+                                  "a loop of links", hint="give the file it should point to")
             raise KtlongError(f"{what} {path} does not exist", hint=_nearby(path))
         if path.is_dir():
             found, other = _folder(path, what)
@@ -111,6 +121,31 @@ def read_document(source: str | Path | Sequence[str | Path], encoding: str | Non
         raise EmptyDocument(f"{what}s {', '.join(map(str, sources))} hold no text",
                             hint="give a file with some text in it")
     return join(parts, _several_name(sources, len(parts)), skipped)
+
+
+def check_length(doc: Document, tokenizer: Any, max_tokens: int) -> None:
+    """Refuse a document far past `max_tokens` before the chat tokenizes all of it (~1.4 s and
+    ~120 bytes of memory a character: SmolLM2 takes 71 s and 6 GB over 50 MB).
+
+    Exact: no token spells more characters than the vocabulary's longest entry (times 4: a
+    normalizer may join a letter and its accents). Estimated, for a text past 8 characters a
+    token of `max_tokens`: its first MiB of characters tokenized, the rest at that rate, refused
+    past 1.5 times `max_tokens`. A text that may fit is left to the chat's own exact check."""
+    n, longest = len(doc.text), max((len(t) for t in tokenizer.get_vocab()), default=1)
+    about = ""
+    if n > 4 * longest * max_tokens:
+        about = f"this model's tokens spell at most {longest} characters"
+    elif n > 8 * max_tokens:
+        cut = doc.text.rfind(" ", 0, _SAMPLE)
+        piece = doc.text[:cut if cut > _SAMPLE // 2 else _SAMPLE]
+        rate = len(tokenizer(piece, add_special_tokens=False)["input_ids"]) / len(piece)
+        if n * rate > 1.5 * max_tokens:
+            about = (f"about {n * rate:,.0f} tokens at the rate of its first {len(piece):,} "
+                     "characters")
+    if about:
+        raise KtlongError(f"{doc.name} holds {n:,} characters, far more than max_seq_len "
+                          f"{max_tokens:,} tokens hold ({about})",
+                          hint="cut the document to the part you want to ask about")
 
 
 def join(parts: Sequence[Document], name: str, skipped: Sequence[str] = ()) -> Document:
@@ -157,13 +192,53 @@ def _folder(path: Path, what: str) -> tuple[list[tuple[Path, str]], list[str]]:
 
 
 def _read_file(path: Path, encoding: str | None, what: str) -> Document:
-    if path.is_dir():
-        raise KtlongError(f"{what} {path} is a directory, not a file")
+    """A regular file, or a pipe (a FIFO, `<(...)`); devices and sockets are refused."""
+    label = f"{what} {path}"
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO with no writer: no wait
     except OSError as e:
-        raise KtlongError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        if e.errno == errno.EISDIR:
+            raise KtlongError(f"{label} is a directory, not a file") from None
+        if e.errno == errno.ELOOP:
+            raise KtlongError(f"{label} is a loop of symbolic links",
+                              hint="give the file it should point to") from None
+        raise KtlongError(f"cannot read {label}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise KtlongError(f"{label} is a directory, not a file")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            kind = ("a character device" if stat.S_ISCHR(mode) else "a block device"
+                    if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                    "not a regular file")
+            raise KtlongError(f"{label} is {kind}, not a document",
+                              hint="give a file; pipe a stream in with --prompt-file -")
+        os.set_blocking(fd, True)  # a writer's data now waits; none: end of file at once
+        try:
+            data = _read_capped(f, label, os.fstat(fd).st_size if stat.S_ISREG(mode) else 0)
+        except OSError as e:
+            raise KtlongError(f"cannot read {label}: {e.strerror or e}") from None
+    if not data and stat.S_ISFIFO(mode):
+        raise EmptyDocument(f"{label} is a pipe with nothing written to it",
+                            hint="start the program that writes it first, or pipe the text "
+                                 "in with --prompt-file -")
     return from_bytes(data, str(path), encoding, what, path.suffix.lower())
+
+
+def _read_capped(stream: BinaryIO, label: str, size: int = 0) -> bytes:
+    """All of `stream`, refused past MAX_BYTES (`size`: what the file says it holds)."""
+    too_big = KtlongError(f"{label} is over {MAX_BYTES >> 30} GiB, more than ktlong reads",
+                          hint="split it, or cut it to the part you want to ask about")
+    if size > MAX_BYTES:
+        raise too_big
+    parts = [stream.read(size)] if size else []  # a regular file in one read
+    n = len(parts[0]) if parts else 0
+    while chunk := stream.read(1 << 20):  # a pipe (or a file still growing): in pieces
+        n += len(chunk)
+        if n > MAX_BYTES:
+            raise too_big
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def from_bytes(data: bytes, name: str, encoding: str | None = None, what: str = "prompt file",
@@ -279,6 +354,11 @@ def _refuse_binary(data: bytes, label: str) -> None:
     if nul >= 0:
         raise KtlongError(f"{label} looks binary, not text (a NUL byte at offset {nul:,})",
                           hint="give a text file; if it is UTF-16 text, add --encoding utf-16")
+    head = data[:_SNIFF]
+    control = len(head) - len(head.translate(None, _CONTROL))
+    if control * 20 > len(head):  # text has tabs and line ends, hardly ever other controls
+        raise KtlongError(f"{label} looks binary, not text ({control:,} control characters "
+                          f"in its first {len(head):,} bytes)", hint="give a text file")
 
 
 def _nearby(path: Path) -> str | None:

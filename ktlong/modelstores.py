@@ -333,14 +333,24 @@ FINDERS = (("ktlong", find_ktlong), ("ollama", find_ollama), ("huggingface", fin
 def find(name: str) -> Found | None:
     """The model `-m name` means: the first store that holds it (a line on stderr when another
     holds it too), None when none does."""
-    hits = [f for _, finder in FINDERS if (f := finder(name)) is not None]
+    hits, problems = [], []
+    for _, finder in FINDERS:
+        try:
+            found = finder(name)
+        except KtlongError as e:  # e.g. ktlong's name whose package is missing: another
+            problems.append(e)  # store may hold the name
+            continue
+        if found is not None:
+            hits.append(found)
     if not hits:
+        if problems:
+            raise problems[0]
         return None
     first = hits[0]
     if len(hits) > 1:
         others = "; ".join(f"{LABELS[f.store]} ({f.source})" for f in hits[1:])
-        print(f"model {name}: taking {LABELS[first.store]}'s ({first.source}); also in "
-              f"{others}", file=sys.stderr, flush=True)
+        print(f"model {name}: using the one in {LABELS[first.store]} ({first.source}); also "
+              f"in {others}", file=sys.stderr, flush=True)
     if first.store == "ollama":
         return Found(first.name, first.store, _ollama_link(first.name, first.path),
                      first.source, first.size)
@@ -368,7 +378,8 @@ def describe(found: Found, settings: Any, free_dram: int) -> dict[str, Any]:
                            "size": found.size, "arch": None, "quant": None,
                            "trained_context": None, "fits": None, "problem": None}
     try:
-        spec = read_spec(found.path, need_weights=False)
+        path = _ollama_link(found.name, found.path) if found.store == "ollama" else found.path
+        spec = read_spec(path, need_weights=False)
     except (KtlongError, OSError, ValueError) as e:
         row["problem"] = str(e).splitlines()[0]
         return row

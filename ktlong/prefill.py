@@ -26,7 +26,7 @@ def run(
     from ktlong import chatui, render
     from ktlong.bench.rss import peak_rss
     from ktlong.conversation import Conversation
-    from ktlong.documents import read_document
+    from ktlong.documents import check_length, read_document
     from ktlong.model import load_model
     from ktlong.promptcache import open_document
     from ktlong.spec import read_spec
@@ -41,6 +41,7 @@ def run(
     ui = chatui.TerminalUI(as_json=as_json)
     with ui.loading(model):
         lm = load_model(model, settings.device, weight_type=settings.weight_type)
+    check_length(doc, lm.tokenizer, settings.max_seq_len)  # before tokenizing it
     ids = TokenIds(Conversation(lm.tokenizer, doc.text, system).document_ids())  # 4 B a token
     peak_rss(reset=True)  # from here: what reading the document takes
     with ui.progress("prefilling") as progress:

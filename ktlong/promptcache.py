@@ -43,7 +43,7 @@ from ktlong.memory import stays_resident
 from ktlong.minference import prefill_key
 from ktlong.model import LoadedModel
 from ktlong.spec import ModelSpec
-from ktlong.weights import bf16_prefill
+from ktlong.weights import prefill_precision
 
 MAGIC = b"KTLONGKV"
 VERSION = 2  # written; 1 (BF16 anchors) is read too, its anchors converted
@@ -96,8 +96,9 @@ def content_key(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     key.update(prefill_key(spec, settings))  # a windowed or sparse prefill makes other KV
     if settings.attention == "LOCRET":  # what was kept
         key["locret"] = locret_key(spec, settings)
-    if bf16_prefill(spec.hidden_size, settings.prefill_matmul):  # BF16 products: other KV
-        key["prefill_matmul"] = "BF16"
+    precision = prefill_precision(spec.hidden_size, settings.prefill_matmul)
+    if precision != "FP32":  # BF16 or int8 products: other KV
+        key["prefill_matmul"] = precision
     return key
 
 

@@ -492,9 +492,15 @@ class Server:
 
 # --- running -------------------------------------------------------------------------------------
 def model_id(model: Path) -> str:
-    """What clients send as `model`: the file's stem or the folder's name."""
+    """What clients send as `model`: the file's stem or the folder's name (a Hugging Face hub
+    snapshot's: its repo's, not the revision's)."""
     p = Path(model)
-    return p.stem if p.suffix.lower() == ".gguf" else p.resolve().name
+    if p.suffix.lower() == ".gguf":
+        return p.stem
+    p = p.resolve()
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return p.parent.parent.name.split("--", 2)[-1]
+    return p.name
 
 
 class Running:

@@ -401,7 +401,12 @@ class Engine:
         if tail:
             job.emit(("text", tail))
         if recorder is not None and finish != "cancelled":
-            job.emit(("passages", self._passages(s, job, recorder.records)))
+            try:
+                found = self._passages(s, job, recorder.records)
+            except Exception as e:  # what it read is a view on the answer: never costs it
+                self.notes.append(f"passages: {type(e).__name__}: {e}")
+                found = []
+            job.emit(("passages", found))
         return finish, n
 
     def _passages(self, s: Session, job: Job, records: list[Any]) -> list[dict[str, Any]]:

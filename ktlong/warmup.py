@@ -263,7 +263,14 @@ def _weight_parts(model: Any, prefill_matmul: str) -> dict[str, Callable[[], Non
     """One warm-up per distinct weight kernel signature: decode GEMV (one row), prefill tiles
     (two rows, dequantised to the precisions `prefill_matmul` multiplies in on this CPU) and
     embedding rows, on the first two rows of a real tensor of each type."""
-    from ktlong.weights import GatedMLP, HalfLinear, QuantEmbedding, QuantLinear, bf16_prefill
+    from ktlong.weights import (
+        GatedMLP,
+        HalfLinear,
+        QuantEmbedding,
+        QuantLinear,
+        _int8_linear,
+        bf16_prefill,
+    )
 
     widths = [m.in_features if isinstance(m, (HalfLinear, QuantLinear)) else
               m.down_proj.out_features for m in model.modules()
@@ -275,8 +282,10 @@ def _weight_parts(model: Any, prefill_matmul: str) -> dict[str, Callable[[], Non
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             k = mod.in_features
-            out.setdefault(f"weights-{mod.qt.name}-k{k % 256 == 0:d}{k % 64 == 0:d}-{mm}",
-                           lambda m=mod: _quant_linear(m, tiles))
+            int8 = _int8_linear(mod, prefill_matmul)  # prefill in the int8 GEMM
+            out.setdefault(f"weights-{mod.qt.name}-k{k % 256 == 0:d}{k % 64 == 0:d}-{mm}"
+                           + ("-int8" if int8 else ""),
+                           lambda m=mod, i=int8: _quant_linear(m, tiles, i))
         elif isinstance(mod, QuantEmbedding):
             out.setdefault(f"weights-emb-{mod.table.qt.name}", lambda m=mod: _quant_embedding(m))
         elif isinstance(mod, HalfLinear):
@@ -293,7 +302,7 @@ def _f32_linear() -> None:
     kernels.gemv(np.zeros((2, 8), np.float32), np.zeros(8, np.float32), 0)
 
 
-def _quant_linear(mod: Any, tiles: tuple[torch.dtype, ...]) -> None:
+def _quant_linear(mod: Any, tiles: tuple[torch.dtype, ...], int8: bool = False) -> None:
     from ktlong.weights import QuantLinear
 
     small = QuantLinear(mod.raw[:2], mod.qt.name, mod.in_features)
@@ -301,6 +310,9 @@ def _quant_linear(mod: Any, tiles: tuple[torch.dtype, ...]) -> None:
         small(torch.zeros(1, mod.in_features))  # decode: (q)gemv
         for dt in tiles:  # prefill: tiles dequantised to float32 or bf16
             small.mm_dtype = dt
+            small(torch.zeros(2, mod.in_features))
+        if int8:  # prefill: the int8 GEMM (rounding x, the tile products)
+            small.int8 = True
             small(torch.zeros(2, mod.in_features))
 
 

@@ -9,7 +9,9 @@ A one-token forward reads every weight once, so decode on the CPU is bound by we
   and multiplied by torch (a compute-bound GEMM, where the widening costs little).
 Activations stay in the model's compute dtype (float32 on the CPU).
 `QuantLinear` / `QuantEmbedding` do the same over a GGUF tensor's bytes in the memory-mapped file
-(kernels/qlinear.py): decode reads the quantised bytes once, prefill dequantises tiles of rows.
+(kernels/qlinear.py): decode reads the quantised bytes once; prefill either multiplies the blocks
+by int8-rounded rows in the int8 GEMM (kernels/qmatmul.py: AMX or AVX512-VNNI; `int8_prefill`
+says where) or dequantises tiles of rows for torch.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class QuantLinear(nn.Module):
     stores llama's Q/K rows interleaved per head: y = (W x)[perm] undoes it without a copy)."""
 
     mm_dtype = torch.float32  # prefill matmul precision (set_prefill_matmul)
+    int8 = False  # prefill in the int8 GEMM (set_prefill_matmul)
 
     def __init__(self, raw: np.ndarray, qtype: str, in_features: int,
                  bias: torch.Tensor | None = None, perm: np.ndarray | None = None) -> None:
@@ -145,7 +148,11 @@ class QuantLinear(nn.Module):
         return kernels.gemv(w, x, kind)
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in] f32 -> [rows, out] f32, dequantising SCRATCH_FLOATS weights at a time."""
+        """x [rows, in] f32 -> [rows, out] f32: the int8 GEMM, or tiles of SCRATCH_FLOATS
+        dequantised weights at a time."""
+        if self.int8:
+            return torch.from_numpy(kernels.qgemm(self.raw, self.qt.ggml, x.numpy(),
+                                                  _rounded(x, self.qt.ggml)))
         n, k = self.out_features, self.in_features
         xm = x.to(self.mm_dtype)
         rb = max(1, min(n, SCRATCH_FLOATS // k))
@@ -177,6 +184,22 @@ class QuantLinear(nn.Module):
 
 
 _FLOAT_KINDS = {"F32": 0, "BF16": 1, "F16": 2}  # GGUF float types -> the 16/32-bit GEMV's kind
+
+
+def _rounded(x: torch.Tensor, ggml: int) -> tuple[np.ndarray, ...]:
+    """x [rows, in] rounded for the int8 GEMM of type `ggml`, reused while the same x meets
+    another matrix of the same rounding: q, k, v and gate, up share their input. One entry a
+    thread, keyed on x's memory and shape and a copy of its first and last rows (tensors made
+    under inference mode keep no version counter); the entry holds x, so its memory is not
+    reused meanwhile."""
+    a = x.numpy()
+    key = (a.ctypes.data, a.shape, kernels.qgemm_rounding(ggml))
+    hit = getattr(_local, "xq", None)
+    if hit is not None and hit[0] == key and np.array_equal(hit[1], a[[0, -1]]):
+        return hit[2]
+    xq = kernels.quantise_rows(a, ggml)
+    _local.xq = (key, a[[0, -1]], xq, x)  # a[[0, -1]]: a copy
+    return xq
 
 
 def _widen(bits: np.ndarray, kind: int) -> np.ndarray:
@@ -253,6 +276,7 @@ class GatedMLP(nn.Module):
     through."""
 
     mm_dtype = torch.float32  # prefill matmul precision (set_prefill_matmul)
+    int8 = False  # all three projections in the int8 GEMM: whole [rows, intermediate] products
 
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
@@ -261,7 +285,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., hidden]
         rows = x.numel() // x.shape[-1]
-        if rows == 1:
+        if rows == 1 or self.int8:
             g = self.act(self.gate_proj(x))  # [..., intermediate]
             return self.down_proj(g.mul_(self.up_proj(x)))
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
@@ -330,6 +354,8 @@ def compact(model: nn.Module, half: torch.dtype, dtype: torch.dtype = torch.floa
 
 
 BF16_MIN_WIDTH = 512  # AUTO: narrower layers (tiny models, the demo) keep FP32 prefill matmuls
+INT8_MIN_WIDTH = 1024  # AUTO: narrower quantised layers keep BF16 tiles (SmolLM2, Gemma 3 270M:
+# docs/benchmarks.md, "Prefill on int8 products")
 
 
 @functools.cache
@@ -352,11 +378,31 @@ def bf16_prefill(width: int, mode: str) -> bool:
     return mode == "BF16" or (mode == "AUTO" and width >= BF16_MIN_WIDTH and cpu_has_bf16())
 
 
+def int8_prefill(width: int, mode: str) -> bool:
+    """Whether a quantised layer `width` inputs wide multiplies prefill rows in the int8 GEMM
+    under `mode` (where the CPU has AMX or AVX512-VNNI)."""
+    return kernels.INT8_GEMM and (mode == "INT8" or (mode == "AUTO" and width >= INT8_MIN_WIDTH))
+
+
+def prefill_precision(width: int, mode: str) -> str:
+    """What a quantised model `width` wide multiplies prefill rows in: INT8, BF16 or FP32."""
+    if int8_prefill(width, mode):
+        return "INT8"
+    return "BF16" if bf16_prefill(width, "AUTO" if mode == "INT8" else mode) else "FP32"
+
+
+def _int8_linear(mod: nn.Module, mode: str) -> bool:
+    return (isinstance(mod, QuantLinear) and int8_prefill(mod.in_features, mode)
+            and kernels.gemm_path(mod.qt.ggml, mod.in_features))
+
+
 def set_prefill_matmul(model: nn.Module, mode: str) -> str:
-    """Set the prefill matmul precision of `model`'s CPU weight modules: mode AUTO | BF16 | FP32
-    (the `prefill_matmul` setting). Returns "BF16" if any module multiplies in BF16, else
-    "FP32"."""
+    """Set the prefill matmul precision of `model`'s CPU weight modules: mode AUTO | INT8 |
+    BF16 | FP32 (the `prefill_matmul` setting; INT8 falls back to AUTO's choice where the CPU
+    or the type has no int8 GEMM). Returns "INT8" if any module multiplies in the int8 GEMM,
+    else "BF16" if any in BF16, else "FP32"."""
     held = "FP32"
+    tile_mode = "AUTO" if mode == "INT8" else mode
     for mod in model.modules():
         if isinstance(mod, (HalfLinear, QuantLinear)):
             width = mod.in_features
@@ -364,7 +410,15 @@ def set_prefill_matmul(model: nn.Module, mode: str) -> str:
             width = mod.down_proj.out_features
         else:
             continue
-        bf16 = bf16_prefill(width, mode)
+        bf16 = bf16_prefill(width, tile_mode)
         mod.mm_dtype = torch.bfloat16 if bf16 else torch.float32
-        held = "BF16" if bf16 else held
+        if isinstance(mod, GatedMLP):
+            mod.int8 = all(_int8_linear(p, mode) for p in (mod.gate_proj, mod.up_proj,
+                                                          mod.down_proj))
+        elif isinstance(mod, QuantLinear):
+            mod.int8 = _int8_linear(mod, mode)
+        if getattr(mod, "int8", False):
+            held = "INT8"
+        elif bf16 and held != "INT8":
+            held = "BF16"
     return held

@@ -1,5 +1,7 @@
 """`bench prefill`'s worker on a tiny model, whole and sampled: the sampled estimate times only
-the picked chunks (over a store filled with random K, V up to each) and scales them."""
+the picked chunks (over a store filled with random K, V up to each) and scales them; the
+arithmetic limit it is held against (the dot-product instructions' measured peak) and the
+projected time of a 128K read."""
 
 from __future__ import annotations
 
@@ -20,6 +22,42 @@ def test_sampled_prefill_fills_the_past_and_scales_the_chunks(mode):
         assert row["prefill_s"] > 0 and row["prefill_tok_s"] == pytest.approx(
             2048 / row["prefill_s"])
         assert 0 < row["attention_s"] <= row["prefill_s"]
+        # the tiny llama's decoder layers: 2 x (q, k, v, o, gate, up, down weights) a token
+        assert row["matmul"] == "FP32" and row["linear_ops"] == _linear_ops(model)
     assert sampled["sampled_chunks"] == 2 and whole["sampled_chunks"] == 0
     # two of four chunks timed, times two: the same order of time as the whole prefill
     assert 0.2 < sampled["prefill_s"] / whole["prefill_s"] < 5
+
+
+def _linear_ops(folder) -> int:
+    import json
+
+    c = json.loads((folder / "config.json").read_text())
+    h, d = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    per = h * q + 2 * h * kv + q * h + 3 * h * c["intermediate_size"]
+    return 2 * per * c["num_hidden_layers"]
+
+
+def test_peaks_measure_each_instruction_the_cpu_has():
+    from ktlong.kernels import qmatmul
+
+    got = prefill.peaks(1)
+    assert set(got) == set(qmatmul.peak_kinds())
+    for kind, ops in got.items():
+        assert 1e9 < ops < 1e14, kind  # between 1 GOP/s and 100 TOP/s on one thread
+
+
+def test_the_limit_and_the_128k_projection_follow_the_run():
+    peak = {"vnni": 300e9, "amx-int8": 2000e9, "amx-bf16": 1000e9}
+    row = dict(context=4096, prefill_s=10.0, attention_s=2.0, prefill="dense", matmul="INT8",
+               linear_ops=1e9)
+    prefill.against_limit(row, peak)
+    assert row["linear_ops_s"] == pytest.approx(1e9 * 4096 / 8.0)
+    assert row["limit"] == "amx-int8" and row["of_limit"] == pytest.approx(1e9 * 4096 / 8 / 2e12)
+    # outside attention: linear in tokens; dense attention: quadratic
+    assert row["projected_128k_s"] == pytest.approx(8.0 * 32 + 2.0 * 32 * 32)
+    row.update(prefill="window", matmul="BF16")
+    prefill.against_limit(row, {"vnni": 300e9})  # no BF16 instruction measured: no limit
+    assert row["projected_128k_s"] == pytest.approx(8.0 * 32 + 2.0 * 32)
+    assert row["limit"] is None and row["of_limit"] is None

@@ -16,6 +16,17 @@ number of chunks. Prefill cost per chunk is linear in its start (dense) or flatt
 minference), so the midpoint rule estimates a linear cost exactly. Random K, V have no structure
 for Vertical-Slash to follow: its diagonals scatter, each read as a lone diagonal (a real model's
 diagonals gather near the query, where they are read as ranges).
+
+Against the arithmetic limit: the machine's peak of each dot-product instruction ktlong's prefill
+matmuls can run on (AVX512-VNNI `vpdpbusd`, AMX `tdpbusd` and `tdpbf16ps`; kernels/qmatmul.py's
+`peak`, every thread on registers or tiles alone) is measured once per run; each ktlong row gives
+the precision of its matmuls (INT8, BF16, FP32), the operations its linear layers take a token
+(2 x the weights of the decoder layers), the rate it ran them at outside attention, and that
+rate's share of the peak of the instruction the precision runs on ("of limit"). "128K s" projects
+the time to read 131,072 tokens of the loaded model from the run: its time outside attention per
+token times 131,072, plus its attention time scaled by (131,072 / context) squared (dense) or
+linearly (window, minference: past the window each token reads about as much); a run at 128K
+reports itself.
 """
 
 from __future__ import annotations
@@ -116,6 +127,7 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
             pairs[2] += ca.dense_pairs
             return ca.index_s
 
+        row.update(matmul=sess.prefill_matmul, linear_ops=linear_ops(lm.model))
         if not sample:
             t0 = work_clock()  # imports done, as for transformers below; compiling left out
             sess.prefill(ids)
@@ -153,6 +165,47 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
     return row
 
 
+def linear_ops(model: Any) -> int:
+    """Operations (a multiply and an add each) of the decoder layers' linear maps for one token:
+    2 x their weights (the output head, run for the last token only, left out)."""
+    from torch import nn
+
+    from ktlong.weights import HalfLinear, QuantLinear
+
+    head = model.get_output_embeddings()
+    return sum(2 * m.in_features * m.out_features for m in model.modules()
+               if isinstance(m, (nn.Linear, HalfLinear, QuantLinear)) and m is not head)
+
+
+# the instruction each prefill precision runs on, best first (kernels/qmatmul.py: PEAK_KINDS)
+LIMIT_OF = {"INT8": ("amx-int8", "vnni"), "BF16": ("amx-bf16",)}
+TARGET = 131072  # tokens of the projected read
+
+
+def peaks(threads: int) -> dict[str, float]:
+    """Ops/s of each dot-product instruction this CPU has, on `threads` threads."""
+    from ktlong import kernels
+    from ktlong.kernels import qmatmul
+
+    kernels.configure_threads(threads)
+    return {k: qmatmul.peak(k, threads) for k in qmatmul.peak_kinds()}
+
+
+def against_limit(row: dict[str, Any], peak: dict[str, float]) -> None:
+    """Add to a ktlong row: the linear layers' rate outside attention, the peak it is held
+    against (of the instruction its precision runs on), the share, and the projected 128K s."""
+    n, outside = row["context"], row["prefill_s"] - row["attention_s"]
+    row["linear_ops_s"] = row["linear_ops"] * n / outside if outside > 0 else None
+    kind = next((k for k in LIMIT_OF.get(row["matmul"], ()) if k in peak), None)
+    row["limit"] = kind
+    row["limit_ops_s"] = peak.get(kind) if kind else None
+    row["of_limit"] = (row["linear_ops_s"] / row["limit_ops_s"]
+                       if row["limit_ops_s"] and row["linear_ops_s"] else None)
+    f = TARGET / n
+    attn = row["attention_s"] * (f * f if row["prefill"] == "dense" else f)
+    row["projected_128k_s"] = outside * f + attn
+
+
 def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None,
          chunk_sizes: tuple[int, ...] = (CHUNK_AUTO[False],), modes: tuple[str, ...] = ("dense",),
          transformers: bool = True, shape: str = "small", sample: int = 0,
@@ -186,6 +239,14 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
                 lines = out.stderr.strip().splitlines() or ["(no output)"]
                 raise RuntimeError(f"{runtime} at {n}: {lines[-1]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    out = subprocess.run([sys.executable, "-m", "ktlong.bench.prefill", "peaks", str(threads)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"peak micro-benchmark: {(out.stderr.strip().splitlines() or [''])[-1]}")
+    peak = json.loads(out.stdout.strip().splitlines()[-1])
+    for r in rows:
+        if r["runtime"].startswith("ktlong"):
+            against_limit(r, peak)
     for r in rows:  # speed against the dense prefill of the same context and chunk
         base = [b for b in rows if b["context"] == r["context"] and b["runtime"] == "ktlong-dense"
                 and b["chunk_size"] == r["chunk_size"]]
@@ -193,7 +254,7 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
     label = f"model {model}" if tmp is None else f"random Llama {dims}"
     data = {"bench": "prefill", "command": command, "machine": plotting.machine(),
             "threads": threads, "model": dims if tmp is not None else str(model),
-            "sampled_chunks": sample, "rows": rows}
+            "sampled_chunks": sample, "peak_ops_s": peak, "rows": rows}
     if plot_file is not None:
         plot(data, plot_file)
     if as_json:
@@ -201,11 +262,15 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
         return
     title = f"prefill, {threads} threads, {label}" + (
         f"; {sample} sampled chunks per context" if sample else "")
-    table = Table(title=title)
+    table = Table(title=title, caption="peak of the dot-product instructions, "
+                  f"{threads} threads: " + ", ".join(f"{k} {v / 1e9:,.0f} GOP/s"
+                                                     for k, v in peak.items()))
     for col in ("context", "runtime", "tok/s", "seconds", "attention s", "index s",
-                "keys read (lone)", "x dense", "peak RSS (GB)"):
+                "keys read (lone)", "x dense", "matmul", "linear GOP/s", "of limit", "128K s",
+                "peak RSS (GB)"):
         table.add_column(col, justify="right")
     for r in rows:
+        ops = r.get("linear_ops_s")
         table.add_row(
             f"{r['context']:,}",
             r["runtime"] + (f" (chunk {r['chunk_size']})" if len(chunk_sizes) > 1
@@ -217,6 +282,10 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
             "" if r.get("keys_read") is None else
             f"{r['keys_read']:.1%} ({r['lone_read']:.1%})",
             "" if r["vs_dense"] is None else f"{r['vs_dense']:.2f}",
+            r.get("matmul", ""),
+            "" if ops is None else f"{ops / 1e9:,.0f}",
+            "" if r.get("of_limit") is None else f"{r['of_limit']:.0%} of {r['limit']}",
+            "" if r.get("projected_128k_s") is None else f"{r['projected_128k_s']:,.0f}",
             f"{r['peak_rss_bytes'] / 1e9:.2f}",
         )
     Console(width=max(Console().width, 110)).print(table)
@@ -252,4 +321,7 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
 
 
 if __name__ == "__main__":  # a worker: python -m ktlong.bench.prefill RUNTIME MODEL N THREADS
-    print(json.dumps(_worker(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]))))  # CHUNK SAMPLE
+    if sys.argv[1] == "peaks":  # CHUNK SAMPLE, or: python -m ktlong.bench.prefill peaks THREADS
+        print(json.dumps(peaks(int(sys.argv[2]))))
+    else:
+        print(json.dumps(_worker(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7]))))

@@ -1,0 +1,312 @@
+"""Quantised prefill GEMM: Y = X W^T for many token rows over GGUF weights, on int8 products.
+
+- `quantise_rows(x, qtype)`: each token row rounded to int8 codes per group of channels (256 for
+  K-quants, 32 for the 32-blocks: the rounding of the decode GEMV, kernels/qlinear.py, as
+  llama.cpp's Q8_K / Q8_0 activations), with each sub-block's scale and scaled code sum.
+- `qgemm(w, qtype, x)`: y [M, N] = W times the rounded x, exactly (up to float32 sums).
+
+A work item takes 16 weight rows: their GGUF blocks are decoded once into unsigned codes laid out
+for the tile products (kernels/_qtile.py: [sub-block, 4-channel group, row, 4] bytes) with each
+sub-block's scale s and constant term z (value = s q + z; Q4_0's -8 d, Q8_0's +128 shift, the
+K-quants' mins), a few hundred KB that stay in L2, then multiplied by every 16-token tile of
+the chunk: AMX `tdpbsud` where the CPU has it, else AVX512-VNNI `vpdpbusd`. Sub-blocks are 32
+channels (16 for Q6_K, whose scales are per 16). The items go to both cores (prange).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._qtile import (
+    AMX,
+    AMX_BF16,
+    PEAK_OPS,
+    VNNI512,
+    amx16,
+    amx32,
+    peak_amx_bf16,
+    peak_amx_int8,
+    peak_vnni,
+    vnni16,
+    vnni32,
+)
+from ._qvec import codes16
+from ._simd import F32, FASTMATH, readonly
+from .qlinear import BLOCK, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _check, _u32, _x_scale
+from .qlinear import _half1 as _half
+from .threads import use_threads
+
+GEMM_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+TILE = 16  # tokens a tile, weight rows a block
+PAD = 64  # bytes past each row of x's codes
+
+
+def sub_width(qtype: int) -> int:
+    """Channels of a sub-block (one scale): 16 for Q6_K, else 32."""
+    return 16 if qtype == Q6_K else 32
+
+
+def x_group(qtype: int) -> int:
+    """Channels that share one scale of x: 256 for K-quants, 32 for the 32-blocks."""
+    return 256 if BLOCK[qtype][0] == 256 else 32
+
+
+INT8_GEMM = VNNI512  # whether this CPU has the int8 GEMM (AMX or AVX512-VNNI)
+
+
+def qgemm_rounding(qtype: int) -> tuple[int, int]:
+    """How `quantise_rows` rounds x for `qtype`: (sub-block width, channels a scale); types with
+    the same rounding can share one."""
+    return sub_width(qtype), x_group(qtype)
+
+
+def gemm_path(qtype: int, k: int) -> bool:
+    """Whether `qgemm` runs this type and width on this CPU (AMX or AVX512-VNNI)."""
+    return VNNI512 and qtype in GEMM_TYPES and k % x_group(qtype) == 0
+
+
+@njit(fastmath=FASTMATH, cache=True, parallel=True)
+def _quantise_rows(x, g, group, codes, dxs, sv):
+    # x [M, K] f32 -> codes [M16, K] i8, dxs [M16, K/g] f32 (x's scale over sub-block j's
+    # group), sv [M16, K/g] f32 (that scale x the sum of the codes of sub-block j); the rows past
+    # M stay as given (zeros). No allocation here: a fill would be a parallel loop of its own
+    m, k = x.shape
+    xa0, qa0 = x.ctypes.data, codes.ctypes.data  # x and codes live past the loop
+    for r in prange(m):
+        xa, qa = xa0 + 4 * k * r, qa0 + codes.shape[1] * r
+        for gi in range(k // group):
+            dx, inv = _x_scale(xa + 4 * group * gi, group)
+            for j in range(group * gi // g, group * (gi + 1) // g):
+                s = 0
+                for h in range(j * g // 16, (j + 1) * g // 16):
+                    s += codes16(qa + 16 * h, xa + 64 * h, inv)
+                dxs[r, j] = dx
+                sv[r, j] = dx * F32(s)
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _unpack_row(w, qtype, tmp, s, z, m):
+    """Row w [row_bytes] -> its unsigned codes tmp [K] in channel order; scale and constant
+    term of each sub-block into s[j, m], z[j, m]."""
+    k = tmp.shape[0]
+    if qtype == Q8_0:
+        for b in range(k // 32):
+            o = 34 * b
+            d = _half(w, o)
+            s[b, m], z[b, m] = d, F32(-128) * d
+            for i in range(32):
+                tmp[32 * b + i] = w[o + 2 + i] ^ np.uint8(128)
+    elif qtype == Q4_0 or qtype == Q4_1:
+        one = qtype == Q4_1
+        nb = 20 if one else 18
+        for b in range(k // 32):
+            o = nb * b
+            d = _half(w, o)
+            s[b, m] = d
+            z[b, m] = _half(w, o + 2) if one else F32(-8) * d
+            qo = o + (4 if one else 2)
+            for i in range(16):
+                q = w[qo + i]
+                tmp[32 * b + i] = q & np.uint8(15)
+                tmp[32 * b + 16 + i] = q >> np.uint8(4)
+    elif qtype == Q5_0 or qtype == Q5_1:
+        one = qtype == Q5_1
+        nb = 24 if one else 22
+        for b in range(k // 32):
+            o = nb * b
+            ho = o + (4 if one else 2)
+            d = _half(w, o)
+            s[b, m] = d
+            z[b, m] = _half(w, o + 2) if one else F32(-16) * d
+            h = _u32(w, ho)
+            for i in range(16):
+                q = w[ho + 4 + i]
+                tmp[32 * b + i] = (q & np.uint8(15)) | np.uint8(((h >> i) & 1) << 4)
+                tmp[32 * b + 16 + i] = (q >> np.uint8(4)) | np.uint8(((h >> (i + 16)) & 1) << 4)
+    elif qtype == Q6_K:
+        for b in range(k // 256):
+            o = 210 * b
+            d = _half(w, o + 208)
+            for j in range(16):
+                sc = d * F32(np.int8(w[o + 192 + j]))
+                s[16 * b + j, m], z[16 * b + j, m] = sc, F32(-32) * sc
+            for h in range(2):
+                for c in range(4):
+                    lo, ho = o + 64 * h + 32 * (c & 1), o + 128 + 32 * h
+                    ls, hs = np.uint8(4 * (c >> 1)), np.uint8(2 * c)
+                    y = 256 * b + 128 * h + 32 * c
+                    for i in range(32):
+                        tmp[y + i] = ((w[lo + i] >> ls) & np.uint8(15)) | (
+                            ((w[ho + i] >> hs) & np.uint8(3)) << np.uint8(4))
+    else:  # Q4_K, Q5_K
+        five = qtype == Q5_K
+        nb = 176 if five else 144
+        for b in range(k // 256):
+            o = nb * b
+            d, dmin = _half(w, o), _half(w, o + 2)
+            for j in range(8):
+                if j < 4:
+                    sc, mn = w[o + 4 + j] & 63, w[o + 8 + j] & 63
+                else:
+                    sc = (w[o + 8 + j] & 15) | ((w[o + j] >> 6) << 4)
+                    mn = (w[o + 8 + j] >> 4) | ((w[o + 4 + j] >> 6) << 4)
+                s[8 * b + j, m], z[8 * b + j, m] = d * F32(sc), -dmin * F32(mn)
+            qo = o + (48 if five else 16)
+            for c in range(4):
+                y = 256 * b + 64 * c
+                for i in range(32):
+                    q = w[qo + 32 * c + i]
+                    lo, hi = q & np.uint8(15), q >> np.uint8(4)
+                    if five:
+                        hb = w[o + 16 + i] >> np.uint8(2 * c)
+                        lo |= (hb & np.uint8(1)) << np.uint8(4)
+                        hi |= (hb & np.uint8(2)) << np.uint8(3)
+                    tmp[y + i] = lo
+                    tmp[y + 32 + i] = hi
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _unpack(w, qtype, r0, r1, tmp, wb, s, z):
+    """Rows r0:r1 (at most 16) of w -> the block wb [K / 4 * 16] u32 (codes of row m, channels
+    4c..4c+3, at word 16c + m), s, z [nsub, 16] f32; rows past r1 are zeros."""
+    for m in range(16):
+        if r0 + m < r1:
+            _unpack_row(w[r0 + m], qtype, tmp, s, z, m)
+            t32 = tmp.view(np.uint32)
+            for c in range(t32.shape[0]):
+                wb[16 * c + m] = t32[c]
+        else:
+            for c in range(wb.shape[0] // 16):
+                wb[16 * c + m] = 0
+            s[:, m] = 0
+            z[:, m] = 0
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _qgemm(w, qtype, codes, dxs, sv, out, g, amx):
+    # w [N, row_bytes] u8; codes [M16, K] i8; dxs, sv [M16, K/g] f32 -> out [M16, N16] f32
+    n, m16, xs = w.shape[0], codes.shape[0], codes.shape[1]
+    k = xs - PAD
+    nsub = k // g
+    n16 = out.shape[1]
+    amx = amx and nsub % 2 == 0  # the AMX loop takes sub-blocks in pairs
+    for it in prange((n + 15) // 16):
+        tmp = np.empty(k, np.uint8)
+        wb = np.empty(k // 4 * 16, np.uint32)
+        s = np.empty((nsub, 16), F32)
+        z = np.empty((nsub, 16), F32)
+        _unpack(w, qtype, 16 * it, min(n, 16 * it + 16), tmp, wb, s, z)
+        for t in range(m16 // 16):
+            # addresses taken inside the loop: Numba frees an array after its last use
+            xa = codes.ctypes.data + 16 * t * xs
+            da, va = dxs.ctypes.data + 64 * t * nsub, sv.ctypes.data + 64 * t * nsub
+            wa, sa, za = wb.ctypes.data, s.ctypes.data, z.ctypes.data
+            oa = out.ctypes.data + 4 * (16 * t * n16 + 16 * it)
+            if amx and g == 32:
+                amx32(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+            elif amx:
+                amx16(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+            elif g == 32:
+                vnni32(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+            else:
+                vnni16(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+
+
+def quantise_rows(x: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [M, K] float32 rounded for `qtype`'s GEMM: (codes [M16, K + PAD] int8, dxs [M16, K/g],
+    sv [M16, K/g] float32), M16 = M rounded up to a tile (the extra rows are zeros)."""
+    x = readonly(x, np.dtype(F32))
+    if x.ndim != 2 or x.shape[1] % x_group(qtype):
+        raise ValueError(f"x must be [M, K] with K a multiple of {x_group(qtype)}, got "
+                         f"{x.shape}")
+    use_threads()
+    m16, k = -(-x.shape[0] // TILE) * TILE, x.shape[1]
+    g = sub_width(qtype)
+    # a row of codes is K + 64 bytes: at K (a multiple of 4 KB) a tile's 16 rows would fall in
+    # one L1 set
+    codes = np.zeros((m16, k + PAD), np.int8)
+    dxs, sv = np.zeros((m16, k // g), F32), np.zeros((m16, k // g), F32)
+    _quantise_rows(x, g, x_group(qtype), codes, dxs, sv)
+    return codes, dxs, sv
+
+
+def qgemm(w: np.ndarray, qtype: int, x: np.ndarray,
+          xq: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+          amx: bool = AMX) -> np.ndarray:
+    """y [M, N] = W times x rounded to int8 (`quantise_rows`; pass `xq` to reuse a rounding
+    of the same x for another matrix of the same sub-block width): w [N, row_bytes] uint8 in
+    `qtype`, x [M, K] float32. `amx=False` takes the AVX512-VNNI product on an AMX CPU."""
+    m, k = x.shape
+    w = _check(w, qtype, k)
+    if not gemm_path(qtype, k):
+        raise ValueError(f"no int8 GEMM for type {qtype} at width {k} on this CPU")
+    codes, dxs, sv = quantise_rows(x, qtype) if xq is None else xq
+    n = w.shape[0]
+    out = np.empty((codes.shape[0], -(-n // TILE) * TILE), F32)
+    use_threads()
+    _qgemm(w, qtype, codes, dxs, sv, out, sub_width(qtype), amx and AMX)
+    return out[:m, :n]
+
+
+def qgemm_ref(w: np.ndarray, qtype: int, x: np.ndarray) -> np.ndarray:
+    """float64 reference of `qgemm`: the `gguf` package's dequantisation times x rounded as
+    `quantise_rows` rounds it (codes x scale, per group of channels)."""
+    import gguf
+
+    codes, dxs, _ = quantise_rows(x, qtype)
+    g = sub_width(qtype)
+    m, k = x.shape
+    xr = codes[:m, :k].astype(np.float64) * np.repeat(dxs[:m], g, axis=1)
+    wd = gguf.quants.dequantize(np.asarray(w), gguf.GGMLQuantizationType(qtype))
+    return xr @ wd.astype(np.float64).T
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _peak(kind, n, threads):
+    # `threads` items of n turns of one instruction's loop (PEAK_OPS), one a thread
+    out = np.zeros(threads, np.int64)
+    for t in prange(threads):
+        if kind == 0:
+            out[t] = peak_vnni(n)
+        elif kind == 1:
+            out[t] = peak_amx_int8(n)
+        else:
+            out[t] = peak_amx_bf16(n)
+    return out
+
+
+PEAK_KINDS = ("vnni", "amx-int8", "amx-bf16")
+
+
+def peak_kinds() -> tuple[str, ...]:
+    """The dot-product instructions this CPU has, of those `peak` measures."""
+    have = {"vnni": VNNI512, "amx-int8": AMX, "amx-bf16": AMX_BF16}
+    return tuple(k for k in PEAK_KINDS if have[k])
+
+
+def peak(kind: str, threads: int, seconds: float = 0.3) -> float:
+    """Operations a second (a multiply and an add each) of the dot-product instruction `kind`
+    ("vnni": AVX512-VNNI vpdpbusd; "amx-int8": tdpbusd; "amx-bf16": tdpbf16ps) on `threads`
+    threads, each running it on independent registers or tiles for about `seconds`: the
+    arithmetic limit of a kernel built on it."""
+    import time
+
+    if kind not in peak_kinds():
+        raise ValueError(f"this CPU has no {kind}")
+    k = PEAK_KINDS.index(kind)
+    use_threads()
+    _peak(k, 1, threads)  # compiled, threads awake
+    n = 1000
+    while True:
+        t0 = time.perf_counter()
+        _peak(k, n, threads)
+        dt = time.perf_counter() - t0
+        if dt >= seconds / 4:
+            break
+        n *= 4
+    best = dt
+    for _ in range(3):
+        t0 = time.perf_counter()
+        _peak(k, n, threads)
+        best = min(best, time.perf_counter() - t0)
+    return PEAK_OPS[kind] * n * threads / best
