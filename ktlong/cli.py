@@ -1057,6 +1057,29 @@ def bench_serve(tokens: Annotated[str, typer.Option(
     bench.main(n, st, model, as_json, command)
 
 
+@bench_app.command("load")
+def bench_load(model: ModelOpt = None,
+               prompt_file: Annotated[list[str] | None, typer.Option(
+                   "--prompt-file", "-f", metavar="FILE", show_default=False,
+                   help="A client's document (repeat; the last is the one that leaves); "
+                        "default: six license texts Debian ships, and GPL-2.")] = None,
+               max_tokens: Annotated[int, typer.Option(
+                   "--max-tokens", "-n", min=1, help="Tokens per answer.")] = 24,
+               profile: ProfileOpt = None, sets: SetOpt = None, threads: ThreadsOpt = None,
+               as_json: JsonOpt = False) -> None:
+    """`ktlong serve` under load: every request alone, then all at once with a client that
+    leaves after its first chunk; answers compared, /health polled, memory measured."""
+    from ktlong.bench import load as bench
+
+    if model is None:
+        raise KtlongError("no model given", hint="pass --model, e.g. -m smollm2")
+    st = fitted(resolve(profile, sets, threads_num=threads), model).settings
+    command = (f"ktlong bench load -m {model} -n {max_tokens}"
+               + "".join(f" -f {f}" for f in prompt_file or [])
+               + (f" -t {threads}" if threads is not None else ""))
+    bench.main(model, st, prompt_file or [], as_json, command, max_tokens)
+
+
 @bench_app.command("cuda")
 def bench_cuda(model: ModelOpt = None,
                lengths: Annotated[str, typer.Option(

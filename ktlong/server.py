@@ -54,6 +54,7 @@ from ktlong.serving import Engine, Fitted, Job, Prompt, Renderer, prompt_rows
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 4  # as OpenAI
+MAX_BODY = 64 << 20  # bytes of a JSON request (a 1M-token document is ~5 MB of text)
 POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is still there
 DROPPED_HEADER = "X-Ktlong-Dropped-Messages"  # a chat's oldest messages left out (overflow SHIFT)
 
@@ -323,7 +324,7 @@ class Server:
 
     async def _body(self, request: Any) -> dict[str, Any]:
         self._auth(request)
-        raw = await request.body()
+        raw = await _read_limited(request, MAX_BODY)
         try:
             body = json.loads(raw)
         except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
@@ -585,3 +586,21 @@ def run(model: Path | None, prompt_file: str | list[str] | None, settings: Setti
         uvicorn.run(server.app, host=host, port=port, log_level="info", lifespan="off")
     finally:
         server.engine.close()
+
+
+async def _read_limited(request: Any, limit: int) -> bytes:
+    """The request's body, refused with 413 past `limit` bytes: by its Content-Length before
+    anything is read, else as it streams in (a chunked upload), so memory stays bounded."""
+    size = request.headers.get("content-length", "")
+    too_big = ApiError(413, f"the request body is over {limit >> 20} MiB; send the document to "
+                       "`ktlong serve -f FILE` or attach it on the chat page",
+                       code="request_too_large")
+    if size.isdigit() and int(size) > limit:
+        raise too_big
+    parts, got = [], 0
+    async for part in request.stream():
+        got += len(part)
+        if got > limit:
+            raise too_big
+        parts.append(part)
+    return b"".join(parts)
