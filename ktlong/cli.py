@@ -1080,6 +1080,29 @@ def bench_load(model: ModelOpt = None,
     bench.main(model, st, prompt_file or [], as_json, command, max_tokens)
 
 
+@bench_app.command("faults")
+def bench_faults(model: ModelOpt = None,
+                 prompt_file: Annotated[str, typer.Option(
+                     "--prompt-file", "-f", metavar="FILE",
+                     help="The document.")] = "/usr/share/common-licenses/Apache-2.0",
+                 points: Annotated[int, typer.Option(
+                     min=1, help="Kills spread over the read (more at the write).")] = 8,
+                 max_tokens: Annotated[int, typer.Option(
+                     "--max-tokens", "-n", min=1, help="Tokens per answer.")] = 16,
+                 threads: Annotated[int, typer.Option(
+                     "--threads", "-t", min=1, help="Threads of every run.")] = 2,
+                 as_json: JsonOpt = False) -> None:
+    """`prefill` and `chat` killed (SIGKILL, SIGINT) while they read a document and write its
+    cache entry; the next chat must give the uninterrupted answer and leave no temp file."""
+    from ktlong.bench import faults
+
+    if model is None:
+        raise KtlongError("no model given", hint="pass --model, e.g. -m smollm2")
+    command = (f"ktlong bench faults -m {model} -f {prompt_file} --points {points} "
+               f"-n {max_tokens} -t {threads}")
+    faults.main(str(model), prompt_file, points, max_tokens, threads, as_json, command)
+
+
 @bench_app.command("cuda")
 def bench_cuda(model: ModelOpt = None,
                lengths: Annotated[str, typer.Option(
@@ -1144,6 +1167,9 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app; errors raised outside a command get the same report."""
     try:
         app(args=argv, prog_name="ktlong")
+    except BrokenPipeError:  # `ktlong ... | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except Exception as e:  # the one top-level handler
         if _debug():
             raise
