@@ -300,8 +300,10 @@ def test_full_disk_keeps_the_chat_and_leaves_no_partial_entry(lm, tmp_path, monk
     assert len(_answer(opened.session, 3)) >= 1  # the chat goes on
 
 
-def test_kill_during_write_leaves_nothing_that_loads(lm, tmp_path):
-    """A writer killed with SIGKILL mid-write leaves only a temp file, which is never opened."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_kill_during_write_leaves_nothing_that_loads(lm, tmp_path, sig):
+    """A writer killed mid-write leaves no entry: SIGKILL only a temp file, which is never
+    opened and is removed by the next writer; SIGINT (Ctrl-C) not even that."""
     script = textwrap.dedent(f"""
         import sys; sys.path.append({os.getcwd()!r})  # after site-packages (see test_warmup)
         import os, time, ktlong.promptcache as pc
@@ -325,9 +327,12 @@ def test_kill_during_write_leaves_nothing_that_loads(lm, tmp_path):
     deadline = time.time() + 120
     while time.time() < deadline and not list((tmp_path / "entries").glob("*.tmp-*")):
         time.sleep(0.05)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
     assert list((tmp_path / "entries").glob("*.tmp-*")), "the writer never started"
+    os.kill(p.pid, sig)
+    p.wait()
+    assert p.returncode != 0  # it did not finish the write
+    left = list((tmp_path / "entries").glob("*.tmp-*"))
+    assert len(left) == (sig == signal.SIGKILL)  # Ctrl-C: its own temp file removed at once
     assert list((tmp_path / "entries").glob(f"*{SUFFIX}")) == []
     ids = _ids(lm, 900)
     assert open_document(lm, settings(), ids, cache_dir=tmp_path).source == "prefill"
