@@ -1057,6 +1057,16 @@ def bench_serve(tokens: Annotated[str, typer.Option(
     bench.main(n, st, model, as_json, command)
 
 
+@bench_app.command("hostile")
+def bench_hostile(model: ModelOpt = None, as_json: JsonOpt = False) -> None:
+    """Hostile documents (damaged, encrypted and bomb PDFs, EPUB/DOCX zip bombs and path tricks,
+    a 50 MB line, bad encodings, binaries, link loops, a FIFO, a device) given to `ktlong chat`
+    in a child each: what it said, exit code, peak RSS and time (the tiny test model unless -m)."""
+    from ktlong.bench import hostile
+
+    hostile.main(str(model) if model else "", as_json, " ".join(["ktlong", *sys.argv[1:]]))
+
+
 @bench_app.command("cuda")
 def bench_cuda(model: ModelOpt = None,
                lengths: Annotated[str, typer.Option(
