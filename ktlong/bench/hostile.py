@@ -3,8 +3,8 @@ ktlong said, its exit code, peak memory and time, as a markdown table.
 
 Each input is built here from the formats' own structure (a PDF's objects and xref, an EPUB's or a
 DOCX's zip members), so every row can be made again (tests/test_hostile_documents.py builds them
-too). The child's peak RSS comes from os.wait4 (this process's high-water mark is reset before
-each start, as a child carries it across fork + exec).
+too). The child's peak RSS is its own VmHWM, which it prints as it exits (os.wait4's figure
+only for a child killed at its timeout).
 """
 from __future__ import annotations
 
@@ -248,20 +248,30 @@ def _words(n: int) -> str:
 
 
 # --- running them -------------------------------------------------------------------------------
+# The child runs `ktlong` (its console entry point) and says its own VmHWM as it exits: wait4's
+# ru_maxrss would carry this process's high-water mark across fork + exec (a killed child's does).
+_PEAK = "ktlong-bench-peak-rss"
+_CHILD = ("import atexit, sys\nfrom ktlong.bench.rss import peak_rss\n"
+          f"atexit.register(lambda: print('{_PEAK}', peak_rss(), file=sys.stderr))\n"
+          "from ktlong.cli import main\nmain(sys.argv[1:])")
+
+
 def run_case(case: Case, folder: Path, model: str, timeout: float = 600) -> dict[str, Any]:
-    """Build `case` in `folder`, give it to `ktlong chat` in a child; what came back."""
+    """Build `case` in `folder`, give it to `ktlong chat` in a child run there; what came back:
+    the `error:`/`hint:` lines, exit code, seconds, the child's peak RSS in MiB."""
     from ktlong.bench.rss import peak_rss
 
     name, file, make, extra = case
     path = folder / file
     make(path)
-    argv = [sys.executable, "-m", "ktlong", "chat", "-m", model, "-f", str(path), "-q", QUESTION,
+    argv = [sys.executable, "-c", _CHILD, "chat", "-m", model, "-f", file, "-q", QUESTION,
             "--no-cache", "-n", "8", *extra]
-    peak_rss(reset=True)  # the child starts from this process's high-water mark
+    peak_rss(reset=True)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                 env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"})
+                                 cwd=folder, env={**os.environ, "NO_COLOR": "1",
+                                                  "COLUMNS": "200"})
         while not (done := os.wait4(child.pid, os.WNOHANG))[0]:  # wait4: the child's rusage
             if time.perf_counter() - t0 > timeout:
                 child.kill()
@@ -273,8 +283,9 @@ def run_case(case: Case, folder: Path, model: str, timeout: float = 600) -> dict
         err.seek(0)
         stderr = err.read().decode(errors="replace")
     said = [line for line in stderr.splitlines() if line.startswith(("error:", "hint:"))]
+    own = [int(line.split()[1]) for line in stderr.splitlines() if line.startswith(_PEAK)]
     return {"input": name, "said": said, "exit": code, "seconds": seconds,
-            "peak_mb": done[2].ru_maxrss / 1024,
+            "peak_mb": (own[0] if own else done[2].ru_maxrss * 1024) / 2**20,
             "traceback": "Traceback" in stderr, "size": _size(path)}
 
 
@@ -293,6 +304,7 @@ def main(model: str, as_json: bool, command: str) -> list[dict[str, Any]]:
             from ktlong.tinymodel import make_model
 
             model = str(make_model(Path(tmp) / "model", "llama", seed=1))
+        model = str(Path(model).resolve()) if Path(model).exists() else model  # cwd moves
         work = Path(tmp) / "inputs"
         work.mkdir()
         for case in cases():
