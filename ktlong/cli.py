@@ -269,6 +269,7 @@ def chat(model: ModelOpt = None,
                   device=device, threads_num=threads,
                   cache_dir=str(cache_dir) if cache_dir else None)
     cdir = Path(res.settings.cache_dir).expanduser() if res.settings.cache_dir else None
+    no_cache = no_cache or (bool(res.home_error) and cdir is None)  # its warning says so
     if not no_cache:
         cache_root(res.settings, cdir)  # a file, not a folder: refused before anything slow
     files = _documents(prompt_file)
