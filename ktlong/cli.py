@@ -179,9 +179,11 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
     BF16, Q8_0 and Q4_0 unless --kv-type names one.
     """
     from ktlong import memory, render
-    from ktlong.config import write_values
+    from ktlong.config import ensure_config, write_values
 
     res = resolve(profile, kv_type=kv_type)
+    if write and res.home_error:
+        ensure_config()  # a home that cannot be written: its one line, before any report
     auto = res.settings.max_seq_len == 0
     if model is not None:
         from ktlong.spec import read_spec

@@ -140,6 +140,6 @@ def test_a_home_that_cannot_be_written_still_chats_with_one_warning(tmp_path: Pa
     r = CliRunner().invoke(app, ["memcheck", "-m", str(hf_model("llama")), "--write"],
                            env={"KTLONG_HOME": str(home)})
     assert r.exit_code == 2, r.output
-    assert [line for line in r.stderr.splitlines() if line.startswith("error:")] == [
-        f"error: cannot use {home} as the ktlong home: Not a directory"]
-    assert "hint: set KTLONG_HOME to a folder you can write to" in r.stderr
+    assert r.stderr.splitlines() == [f"error: cannot use {home} as the ktlong home: Not a "
+                                     "directory", "hint: set KTLONG_HOME to a folder you can "
+                                     "write to"], r.stderr
