@@ -3,9 +3,10 @@ style inline: no build step, no CDN), and the few routes it needs besides the Op
 
 - `GET /api/info`: the model, its context and what the page may upload.
 - `POST /api/documents?name=FILE` (the file's bytes as the body): read with ktlong's own readers
-  (`documents.from_bytes`: .txt .md .pdf .epub .html .docx, the same checks as `-f`), at most
-  MAX_UPLOAD bytes; kept in memory (the last KEEP_DOCUMENTS) under an id, with a `Renderer` that
-  places it as `ktlong chat -f` does, so its prompt-cache entry is the chat's and `prefill`'s.
+  (`documents.from_bytes`: .txt .md .pdf .epub .html .docx, the same checks and limits as
+  `-f`), at most MAX_UPLOAD bytes (the readers' `MAX_BYTES`); kept in memory (the last
+  KEEP_DOCUMENTS) under an id, with a `Renderer` that places it as `ktlong chat -f` does, so
+  its prompt-cache entry is the chat's and `prefill`'s.
 - `POST /api/documents/{id}/read`: prefill it now (a Server-Sent Events stream of
   `{"done", "total", "seconds"}` then `{"done": true, ...the engine's numbers}`), so it is read
   while the user types. A chat request names it as `"ktlong": {"document": ID}`.
@@ -31,11 +32,12 @@ from pathlib import PurePath
 from typing import Any
 from urllib.parse import parse_qs
 
+from ktlong.documents import MAX_BYTES
 from ktlong.errors import KtlongError
 from ktlong.serving import Job, Prompt, Renderer, prompt_rows
 
 COOKIE = "ktlong_key"
-MAX_UPLOAD = 256 << 20  # bytes of one uploaded document file
+MAX_UPLOAD = MAX_BYTES  # bytes of one uploaded file: the readers' own limit, as for `-f`
 KEEP_DOCUMENTS = 4  # uploaded documents kept in memory (the oldest goes first)
 LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1"><title>ktlong</title>
@@ -188,9 +190,8 @@ def add_routes(app: Any, server: Any) -> None:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _too_big(n: int) -> ApiError:
-        return ApiError(413, f"the file is {n / 2**20:.0f} MiB or more; the page takes up to "
-                        f"{MAX_UPLOAD >> 20} MiB (give a larger one to `ktlong serve -f`)",
-                        param="file", code="file_too_large")
+        return ApiError(413, f"the file is {n / 2**20:.0f} MiB or more; ktlong reads files of "
+                        f"up to {MAX_UPLOAD >> 20} MiB", param="file", code="file_too_large")
 
 
 async def _read_events(server: Any, doc: Upload) -> AsyncIterator[str]:

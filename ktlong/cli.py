@@ -179,9 +179,11 @@ def memcheck(model: ModelOpt = None, kv_type: KvTypeOpt = None, profile: Profile
     BF16, Q8_0 and Q4_0 unless --kv-type names one.
     """
     from ktlong import memory, render
-    from ktlong.config import write_values
+    from ktlong.config import ensure_config, write_values
 
     res = resolve(profile, kv_type=kv_type)
+    if write and res.home_error:
+        ensure_config()  # a home that cannot be written: its one line, before any report
     auto = res.settings.max_seq_len == 0
     if model is not None:
         from ktlong.spec import read_spec
@@ -269,6 +271,7 @@ def chat(model: ModelOpt = None,
                   device=device, threads_num=threads,
                   cache_dir=str(cache_dir) if cache_dir else None)
     cdir = Path(res.settings.cache_dir).expanduser() if res.settings.cache_dir else None
+    no_cache = no_cache or (bool(res.home_error) and cdir is None)  # its warning says so
     if not no_cache:
         cache_root(res.settings, cdir)  # a file, not a folder: refused before anything slow
     files = _documents(prompt_file)
@@ -1101,6 +1104,16 @@ def bench_faults(model: ModelOpt = None,
     command = (f"ktlong bench faults -m {model} -f {prompt_file} --points {points} "
                f"-n {max_tokens} -t {threads}")
     faults.main(str(model), prompt_file, points, max_tokens, threads, as_json, command)
+
+
+@bench_app.command("hostile")
+def bench_hostile(model: ModelOpt = None, as_json: JsonOpt = False) -> None:
+    """Hostile documents (damaged, encrypted and bomb PDFs, EPUB/DOCX zip bombs and path tricks,
+    a 50 MB line, bad encodings, binaries, link loops, a FIFO, a device) given to `ktlong chat`
+    in a child each: what it said, exit code, peak RSS and time (the tiny test model unless -m)."""
+    from ktlong.bench import hostile
+
+    hostile.main(str(model) if model else "", as_json, " ".join(["ktlong", *sys.argv[1:]]))
 
 
 @bench_app.command("cuda")

@@ -427,6 +427,7 @@ class Resolved:
     sources: dict[str, str]
     config_file: Path
     notes: tuple[str, ...] = ()  # lines for the user (`ktlong.fit`: what was fitted, warnings)
+    home_error: str = ""  # why KTLONG_HOME cannot be written (then: defaults, no prompt cache)
 
 
 # Defaults that changed since a first run copied them into config.yaml: such a value there reads as
@@ -442,7 +443,12 @@ def resolve_settings(profile: str | None = None,
     Creates (or completes) `config.yaml` on the way. Overrides whose value is None are ignored.
     `config_file=False` (benchmarks) leaves config.yaml out, so figures do not depend on edits.
     """
-    path = ensure_config() if config_file else ktlong_home() / "config.yaml"
+    path, home_error = ktlong_home() / "config.yaml", ""
+    if config_file:
+        try:
+            path = ensure_config()
+        except HomeUnwritable as e:  # a read-only home still chats: defaults, no cache
+            home_error, config_file = e.message, False
     values = {k: s.default for k, s in FIELDS.items()}
     sources = dict.fromkeys(FIELDS, "default")
 
@@ -475,7 +481,9 @@ def resolve_settings(profile: str | None = None,
         if raw is not None:
             apply({key: coerce(key, raw, "flag")}, "flag")
     check(values, sources)
-    return Resolved(Settings(**values), sources, path)
+    notes = (f"warning: {home_error}: default settings, no prompt cache (set KTLONG_HOME to a "
+             "folder you can write to)",) if home_error else ()
+    return Resolved(Settings(**values), sources, path, notes, home_error)
 
 
 # --- the user's config.yaml: written once, then only appended to -------------------------------
@@ -519,6 +527,8 @@ def first_run_note(text: str, origin: str) -> int | None:
 def write_values(path: Path, values: dict[str, str]) -> None:
     """Set keys of config.yaml in one edit (`memcheck --write`). An older first run's note above
     max_seq_len goes with it: the number written is the user's own."""
+    if not path.exists():
+        path = ensure_config()  # a home that cannot be written says so in one line
     note = first_run_note(configfile.read_text(path), str(path))
     configfile.set_values(path, values, drop_comments=(note,) if note else ())
 
@@ -537,6 +547,10 @@ def render_config(values: dict[str, Any]) -> str:
     return "".join(out)
 
 
+class HomeUnwritable(KtlongError):
+    """KTLONG_HOME or its config.yaml cannot be made (read-only, full, under a file)."""
+
+
 def ensure_config() -> Path:
     """Make sure `$KTLONG_HOME/config.yaml` exists and holds every key; return its path.
 
@@ -550,13 +564,13 @@ def ensure_config() -> Path:
         home.mkdir(parents=True, exist_ok=True)
         exists = path.exists()
     except OSError as e:
-        raise KtlongError(f"cannot use {home} as the ktlong home: {e.strerror or e}",
-                          hint=fix) from None
+        raise HomeUnwritable(f"cannot use {home} as the ktlong home: {e.strerror or e}",
+                             hint=fix) from None
     if not exists:
         try:
             configfile.atomic_write(path, render_config({k: s.default for k, s in FIELDS.items()}))
         except OSError as e:
-            raise KtlongError(f"cannot write {path}: {e.strerror or e}", hint=fix) from None
+            raise HomeUnwritable(f"cannot write {path}: {e.strerror or e}", hint=fix) from None
         return path
     present = configfile.parse_mapping(configfile.read_text(path), str(path))
     missing = [k for k in FIELDS if k not in present]

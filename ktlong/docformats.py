@@ -332,7 +332,8 @@ class _Zip:
         return KtlongError(f"{self.label} is a damaged {self.kind} ({why})", hint=AGAIN)
 
     def bomb(self, why: str) -> KtlongError:
-        return KtlongError(f"{self.label} is a zip bomb, not a {self.kind}: {why}",
+        article = "an" if self.kind[0] in "AEIOU" else "a"
+        return KtlongError(f"{self.label} is a zip bomb, not {article} {self.kind}: {why}",
                            hint="ktlong reads what EPUB and DOCX writers make; "
                                 "export the document again")
 
@@ -361,11 +362,23 @@ class _Zip:
         self.unpacked += len(out)
         return bytes(out)
 
+    def check_total(self, names: list[str]) -> None:
+        """Refuse at once when the members about to be read (`names`, a name as often as it will
+        be read) declare more than the limits allow."""
+        infos = [self.zf.getinfo(n) for n in names if n in self.names]
+        for info in {i.filename: i for i in infos}.values():
+            self._check(info.filename, info.file_size, info.compress_size, "declares")
+        declared = sum(i.file_size for i in infos)
+        if declared > MAX_UNPACKED:
+            raise self.bomb(f"the members it reads declare {declared:,} bytes in all, over "
+                            f"{MAX_UNPACKED >> 20} MiB")
+
     def _check(self, name: str, size: int, packed: int, verb: str) -> None:
         if size > MAX_MEMBER:
             raise self.bomb(f"{name} {verb} more than {MAX_MEMBER >> 20} MiB")
         if self.unpacked + size > MAX_UNPACKED:
-            raise self.bomb(f"its members {verb} more than {MAX_UNPACKED >> 20} MiB in all")
+            raise self.bomb(f"the members it reads come to more than {MAX_UNPACKED >> 20} MiB "
+                            "in all")
         if size > RATIO_FROM and size > MAX_RATIO * max(packed, 1):
             raise self.bomb(f"{name} {verb} {size:,} bytes from {packed:,} "
                             f"(over {MAX_RATIO}:1)")
@@ -399,6 +412,9 @@ def epub(data: bytes, label: str) -> Extracted:
     if not spine:
         raise z.damaged(f"{opf} lists no chapters (an empty spine)")
     encrypted = _epub_encrypted(z)
+    paths = [posixpath.normpath(posixpath.join(base, unquote(items[i].get("href", "").split(
+        "#")[0]))) for i in spine if i in items]
+    z.check_total(paths)
     texts: list[str] = []
     dropped: list[str] = []
     counts: Counter[str] = Counter()

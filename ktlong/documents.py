@@ -143,8 +143,8 @@ def check_length(doc: Document, tokenizer: Any, max_tokens: int) -> None:
             about = (f"about {n * rate:,.0f} tokens at the rate of its first {len(piece):,} "
                      "characters")
     if about:
-        raise KtlongError(f"{doc.name} holds {n:,} characters, far more than max_seq_len "
-                          f"{max_tokens:,} tokens hold ({about})",
+        raise KtlongError(f"the document {doc.name} holds {n:,} characters, far more than "
+                          f"max_seq_len {max_tokens:,} tokens hold ({about})",
                           hint="cut the document to the part you want to ask about")
 
 
@@ -181,7 +181,11 @@ def _folder(path: Path, what: str) -> tuple[list[tuple[Path, str]], list[str]]:
         raise KtlongError(f"cannot list {what} folder {path}: {e.strerror or e}") from None
     for p in entries:
         rel = p.relative_to(path).as_posix()
-        if any(part.startswith(".") for part in p.relative_to(path).parts) or not p.is_file():
+        if any(part.startswith(".") for part in p.relative_to(path).parts):
+            continue
+        if not p.is_file():
+            if p.is_symlink() and not p.exists():
+                other.append((p, f"{rel} (a broken or looping link)"))
             continue
         (found if p.suffix.lower() in KINDS else other).append((p, rel))
     if not found:

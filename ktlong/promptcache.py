@@ -560,7 +560,8 @@ def open_document(
     token again would recompute that token's K,V one row at a time, reading the rows before it
     from the store where the document's own prefill read them in its chunk, and the same
     question would get another answer than it does without the cache. A damaged or stale entry
-    is reported in `Opened.note`, removed and recomputed. A failed write (disk full) costs the cache, not the chat.
+    is reported in `Opened.note`, removed and recomputed. A failed write (disk full) costs the
+    cache, not the chat.
     """
     n = len(ids)
     if settings.attention == "LOCRET":  # read within its budget, a chunk at a time
@@ -575,6 +576,13 @@ def open_document(
     cache = open_cache(settings, cache_dir)
     ck = content_key(lm.spec, settings)
     note = ""
+    try:
+        (cache.root / "locks").mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only or full disk: the chat goes on without the cache
+        session = Session(lm, settings)
+        session.prefill(ids, progress)
+        return Opened(session, "prefill", None, f"the prompt cache folder {cache.root} cannot "
+                      f"be written ({e.strerror or e}): this chat is not cached")
     with _lock(cache.root, entry_key(ck, ids)):
         entry = cache.find_prefix(ck, ids)
         if entry is not None:
@@ -614,6 +622,9 @@ def open_document(
             path = cache.store(session, ck)
         except KtlongError as e:
             return Opened(session, source, None, f"{e.message} ({e.hint})")
+        except OSError as e:  # its folder cannot be made
+            return Opened(session, source, None, f"could not write the prompt cache to "
+                          f"{cache.root}: {e.strerror or e}")
         if session.store.tier is not None:  # read the entry's copy, free the tier's
             header, offset = read_header(path)
             entry, _ = map_entry(path, header, offset, settings.max_seq_len,

@@ -71,9 +71,16 @@ class Page:
         return self.driver.find_elements(By.CSS_SELECTOR, css)
 
     def wait(self, cond: Any, timeout: float | None = None, what: str = "") -> Any:
+        from selenium.common.exceptions import (
+            NoSuchElementException,
+            StaleElementReferenceException,
+        )
         from selenium.webdriver.support.ui import WebDriverWait
 
-        return WebDriverWait(self.driver, timeout or self.timeout, poll_frequency=0.05).until(
+        # a page that is loading (a form sent) has no such element yet, or an old one
+        return WebDriverWait(self.driver, timeout or self.timeout, poll_frequency=0.05,
+                             ignored_exceptions=(NoSuchElementException,
+                                                 StaleElementReferenceException)).until(
             lambda d: cond(), message=what)
 
     def text(self, css: str) -> str:

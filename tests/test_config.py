@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ktlong import config, configfile
-from ktlong.config import FIELDS, Settings, resolve_settings
+from ktlong.config import FIELDS, Settings, ensure_config, resolve_settings
 from ktlong.errors import KtlongError
 
 # docs/internals.md, "Settings": every key and its default
@@ -219,8 +219,12 @@ def test_unusable_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     not_a_dir.write_text("x")
     monkeypatch.setenv("KTLONG_HOME", str(not_a_dir))
     with pytest.raises(KtlongError, match="cannot use .* as the ktlong home") as e:
-        resolve_settings()
+        ensure_config()
     assert "KTLONG_HOME" in (e.value.hint or "")
+    r = resolve_settings()  # a home that cannot be written still runs: defaults, one warning
+    assert r.settings == Settings() and r.home_error == e.value.message
+    assert r.notes == (f"warning: {e.value.message}: default settings, no prompt cache (set "
+                       "KTLONG_HOME to a folder you can write to)",)
     monkeypatch.setenv("KTLONG_HOME", str(tmp_path / "home"))
     (tmp_path / "home" / "config.yaml").mkdir(parents=True)
     with pytest.raises(KtlongError, match="cannot read .*config.yaml"):
