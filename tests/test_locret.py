@@ -409,12 +409,15 @@ def test_prompt_cache_keeps_what_locret_kept(lm, tmp_path):
     ids = _ids(1200, seed=6)
     st = settings(attention="LOCRET", prefill="DENSE", locret_scores="ATTENTION",
                   locret_budget=256, locret_stabilisers=32, chunk_size=128, max_seq_len=1024)
+    question = ids + _ids(12, seed=7)  # a cached session has no logits: a question brings them
     first = open_document(lm, st, ids, cache_dir=tmp_path)
     assert first.source == "prefill" and first.session.store.length == 256
+    first.session.extend_to(question)
     want = [x.token_id for x in first.session.generate(Sampling(max_new_tokens=8))]
     again = open_document(lm, st, ids, cache_dir=tmp_path)
     assert again.source == "cache" and again.session.store.length == 256
     assert again.session.dropped == 1200 - 256 and again.session.pos == 256
+    again.session.extend_to(question)
     assert [x.token_id for x in again.session.generate(Sampling(max_new_tokens=8))] == want
     other = open_document(lm, dataclasses.replace(st, locret_budget=320), ids, cache_dir=tmp_path)
     assert other.source == "prefill" and other.session.store.length == 320

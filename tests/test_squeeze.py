@@ -183,6 +183,7 @@ def test_an_entry_without_similarities_opens_with_uniform_budgets(lm, tmp_path):
     assert old.source == "cache" and not old.note
     assert old.session.store.layer_similarity() is None
     assert old.session.policy.layer_k == [8] * LAYERS
+    old.session.extend_to(ids + _ids(lm, 9, seed=3))  # a question brings the logits
     assert len(list(s.token_id for s in old.session.generate(Sampling(max_new_tokens=3)))) == 3
     assert len(open_cache(st, tmp_path).entries()) == 1
 
