@@ -313,6 +313,13 @@ class Session:
             self.policy.on_prefill_end(self.router.captured, self.pos)
         return logits
 
+    def settle(self) -> None:
+        """The state a document read leaves, whether it was prefilled or mapped from the prompt
+        cache: the template's length known and no block pinned (the document's last queries
+        ask nothing). The question after it is then read alike either way."""
+        self.policy.doc_start = self._doc_start()
+        self.policy.unpin()
+
     def _head(self, rows: torch.Tensor) -> torch.Tensor:
         """Last hidden rows `[n, hidden]` -> logits `[n, vocab]`."""
         return self.lm.model.lm_head(self.lm.model.model.norm(rows))

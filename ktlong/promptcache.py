@@ -572,6 +572,7 @@ def open_document(
     if not use_cache:
         session = Session(lm, settings)
         session.prefill(ids, progress)
+        session.settle()
         return Opened(session, "prefill")
     cache = open_cache(settings, cache_dir)
     ck = content_key(lm.spec, settings)
@@ -581,6 +582,7 @@ def open_document(
     except OSError as e:  # a read-only or full disk: the chat goes on without the cache
         session = Session(lm, settings)
         session.prefill(ids, progress)
+        session.settle()
         return Opened(session, "prefill", None, f"the prompt cache folder {cache.root} cannot "
                       f"be written ({e.strerror or e}): this chat is not cached")
     with _lock(cache.root, entry_key(ck, ids)):
@@ -591,6 +593,7 @@ def open_document(
                 session = Session(lm, settings, store=store, tokens=cached_ids)
                 if len(cached_ids) < len(ids):
                     session.prefill(ids[len(cached_ids) :], progress)
+                session.settle()
                 return Opened(session, "cache", entry.path, verify_s=spent)
             except DamagedEntry as e:
                 note = f"prompt cache entry {entry.path.name} is damaged ({e}); recomputing"
@@ -618,6 +621,7 @@ def open_document(
         if session is None:
             session = Session(lm, settings)
             session.prefill(ids, progress)
+        session.settle()
         try:
             path = cache.store(session, ck)
         except KtlongError as e:

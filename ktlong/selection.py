@@ -493,6 +493,10 @@ class SelectionPolicy:
         pins = pins.astype(np.int32)
         self._pins = {layer: pins for layer in range(self.store.shape.n_layers)}
 
+    def unpin(self) -> None:
+        """Forget the pinned blocks (a document's last queries pinned them; no question did)."""
+        self._pins = {}
+
     def pinned(self) -> np.ndarray:
         """`[m]` int32: the question's blocks every layer reads now (none without
         question_blocks, or before a question on a long enough context)."""

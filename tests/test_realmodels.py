@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -274,11 +275,14 @@ def test_the_cache_and_the_thread_count_leave_the_answer_as_it_was(models, tmp_p
     conv = Conversation(lm.tokenizer, lm.tokenizer.decode(_ids(lm.tokenizer, 3000)))
     ids = conv.document_ids()
     question = conv.prompt_ids(conv.question_text("What does the license say about patents?"))
-    runs = []
+    runs, states = [], []
     for threads in (2, 2, 1):  # the first reads the document and writes its entry
         opened = open_document(lm, st, ids, cache_dir=tmp_path)
         s = opened.session
         s.settings = dataclasses.replace(st, threads_num=threads)
+        states.append((s.policy.doc_start, s.policy.pinned().copy()))
+        # the document leaves the same state however it came: the template's length, no pins
+        assert states[-1][0] == states[0][0] and np.array_equal(states[-1][1], states[0][1])
         s.extend_to(question)
         logits = s.logits.clone()
         answer = [step.token_id for step in s.generate(Sampling(max_new_tokens=24))]
