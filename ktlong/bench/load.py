@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from ktlong.bench.serve import sse_chunks
 from ktlong.config import Settings
 
 QUESTION = "In one sentence: what does this license allow?"
@@ -41,13 +42,7 @@ def stream(url: str, model: str, messages: list[dict[str, str]], max_tokens: int
     ttft, text = None, ""
     resp = urllib.request.urlopen(req, timeout=3600)
     try:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
+        for chunk in sse_chunks(resp):
             for c in chunk["choices"]:
                 piece = c["delta"].get("content") or ""
                 if ttft is None and (piece or c["finish_reason"]):

@@ -12,10 +12,23 @@ import json
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ktlong.config import Settings
+
+
+def sse_chunks(resp: Any) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a streamed completion's server-sent events; an error chunk raises."""
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        yield chunk
 
 
 def stream_ttft(url: str, model: str, messages: list[dict[str, str]],
@@ -29,13 +42,7 @@ def stream_ttft(url: str, model: str, messages: list[dict[str, str]],
     t0 = time.perf_counter()
     ttft, text, usage = None, "", {}
     with urllib.request.urlopen(req, timeout=3600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
+        for chunk in sse_chunks(resp):
             usage = chunk.get("usage") or usage
             for c in chunk["choices"]:
                 piece = c["delta"].get("content") or ""
