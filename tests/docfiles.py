@@ -11,6 +11,8 @@ import io
 import zipfile
 from collections.abc import Sequence
 
+from ktlong.bench.hostile import pdf as pdf_file
+
 _IMAGE = b"<< /Type /XObject /Subtype /Image /Width 2 /Height 2 /ColorSpace /DeviceGray " \
          b"/BitsPerComponent 8 /Length 4 >>\nstream\n\x00\x80\x80\xff\nendstream"
 
@@ -42,17 +44,7 @@ def pdf(pages: Sequence[Sequence[str] | None], image_on_text_pages: bool = False
                        % content)
         kids.append(b"%d 0 R" % len(objects))
     objects[1] = b"<< /Type /Pages /Kids [" + b" ".join(kids) + b"] /Count %d >>" % len(kids)
-    out = bytearray(b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n")
-    offsets = []
-    for i, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1,
-                                                                                xref)
-    return bytes(out)
+    return pdf_file(objects)
 
 
 def encrypt_pdf(data: bytes, user_password: str) -> bytes:

@@ -47,3 +47,17 @@ def settings(**kw: object) -> Settings:
     )
     base.update(kw)
     return dataclasses.replace(Settings(), **base)  # type: ignore[arg-type]
+
+
+def greedy_text(lm, st: Settings, ids: list[int], n: int) -> str:  # type: ignore[no-untyped-def]
+    """The text of a fresh Session's greedy answer to `ids` (up to EOS or n tokens)."""
+    from ktlong.engine import Sampling, Session
+
+    s = Session(lm, st)
+    s.prefill(ids)
+    out = ""
+    for step in s.generate(Sampling(max_new_tokens=n)):
+        if step.token_id in lm.eos_ids:
+            break
+        out += step.text
+    return out

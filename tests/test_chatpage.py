@@ -25,12 +25,11 @@ from ktlong import chatpage, passages  # noqa: E402
 from ktlong import server as server_mod  # noqa: E402
 from ktlong.attnmap import StepRecord  # noqa: E402
 from ktlong.conversation import Conversation  # noqa: E402
-from ktlong.engine import Sampling, Session  # noqa: E402
 from ktlong.model import load_model  # noqa: E402
 from ktlong.tinymodel import filler_text  # noqa: E402
 
 from . import docfiles  # noqa: E402
-from .models import hf_model, settings  # noqa: E402
+from .models import greedy_text, hf_model, settings  # noqa: E402
 
 NEW = 8
 ST = dict(attention="DENSE", max_new_tokens=NEW, max_seq_len=8192)
@@ -49,14 +48,7 @@ def srv(lm):
 
 
 def greedy(lm, ids: list[int], n: int = NEW) -> str:  # type: ignore[no-untyped-def]
-    s = Session(lm, settings(**ST))
-    s.prefill(ids)
-    out = ""
-    for step in s.generate(Sampling(max_new_tokens=n)):
-        if step.token_id in lm.eos_ids:
-            break
-        out += step.text
-    return out
+    return greedy_text(lm, settings(**ST), ids, n)
 
 
 def upload(r, data: bytes, name: str) -> httpx.Response:  # type: ignore[no-untyped-def]

@@ -16,12 +16,11 @@ pytest.importorskip("uvicorn")
 from ktlong import server as server_mod  # noqa: E402
 from ktlong.conversation import Conversation  # noqa: E402
 from ktlong.documents import read_document  # noqa: E402
-from ktlong.engine import Sampling, Session  # noqa: E402
 from ktlong.model import load_model  # noqa: E402
 from ktlong.tinymodel import filler_text  # noqa: E402
 
 from .chatpage_driver import Page, browser_missing, open_browser, write_pdf  # noqa: E402
-from .models import hf_model, settings  # noqa: E402
+from .models import greedy_text, hf_model, settings  # noqa: E402
 
 MISSING = browser_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None,
@@ -45,14 +44,7 @@ def browser():
 
 
 def greedy(lm, ids: list[int], n: int = NEW) -> str:  # type: ignore[no-untyped-def]
-    s = Session(lm, settings(**ST))
-    s.prefill(ids)
-    out = ""
-    for step in s.generate(Sampling(max_new_tokens=n)):
-        if step.token_id in lm.eos_ids:
-            break
-        out += step.text
-    return out
+    return greedy_text(lm, settings(**ST), ids, n)
 
 
 def test_the_page_answers_about_an_attached_pdf_turn_after_turn(lm, browser, tmp_path) -> None:

@@ -27,7 +27,7 @@ QUESTION = "What is this document about?"
 # --- PDF ----------------------------------------------------------------------------------------
 def pdf(objects: list[bytes]) -> bytes:
     """A PDF of `objects` (object 1 is the catalog) with its xref table and trailer."""
-    out = bytearray(b"%PDF-1.4\n")
+    out = bytearray(b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n")  # the second line: binary content
     offsets = []
     for i, body in enumerate(objects, 1):
         offsets.append(len(out))
