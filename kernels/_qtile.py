@@ -16,6 +16,14 @@ dx[m, j]: token m's scale there, sv[m, j] = dx x (sum of its codes there).
   loop turn, on two sets of tiles.
 - AVX512-VNNI: the same product, a token at a time: G/4 `vpdpbusd` of the weight block's rows
   (64 bytes: 4 codes of each of the 16 weight rows) with token m's 4 codes broadcast.
+- AVX-VNNI and AVX2 (no AVX-512 needed): each 64-byte row of the block as two 256-bit halves
+  (weight rows 0-7, 8-15). AVX-VNNI: 256-bit `vpdpbusd`. AVX2: `vpmaddubsw` (unsigned codes .
+  token codes, pairs summed in int16), as many summed in int16 as the codes' range allows
+  (4-bit codes 8, 5-bit 4, Q6_K's 6-bit 2; x's codes are within +-127), then `vpmaddwd` by ones
+  into int32. Q8_0's codes come signed on this path (`qmatmul._unpack`, no +128 shift): their
+  magnitudes meet the token codes carrying their signs (`vpsignb`), as llama.cpp's AVX2 kernels
+  do, since 2 x 255 x 127 would not fit in int16. A loop over the 16 tokens inside each
+  sub-block (16 ymm registers hold one token's work), accumulators in a buffer on the stack.
 
 Addresses are plain integers; the caller lays out the buffers (kernels/qmatmul.py)."""
 from __future__ import annotations
@@ -34,6 +42,7 @@ _FEATURES = llb.get_host_cpu_features().flatten()
 _I8, _I16, _I32, _I64 = (ir.IntType(n) for n in (8, 16, 32, 64))
 _F32 = ir.FloatType()
 _VF, _VI = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+_B32, _W16, _D8 = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
 _PTR = _I8.as_pointer()
 
 
@@ -52,6 +61,10 @@ def _amx_allowed() -> bool:
 
 VNNI512 = W == 16 and all(f"+{f}" in _FEATURES for f in ("avx512bw", "avx512vnni"))
 AMX = VNNI512 and _amx_allowed()
+AVX2 = all(f"+{f}" in _FEATURES for f in ("avx2", "fma"))
+# 256-bit vpdpbusd: AVX-VNNI (VEX), or AVX512-VNNI with VL (EVEX)
+AVXVNNI = AVX2 and ("+avxvnni" in _FEATURES or all(f"+{f}" in _FEATURES for f in (
+    "avx512vnni", "avx512vl")))
 
 
 def _call(builder, name, ret, args):
@@ -69,7 +82,7 @@ def _add(builder, a, off):
 
 def _splat(builder, x, vty):
     one = builder.insert_element(ir.Constant(vty, None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 16), None))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, vty.count), None))
 
 
 def _b(v):
@@ -107,14 +120,132 @@ def _post(builder, accs, c_of, dxa, sva, j, s_j, z_j, nsub):
     return out
 
 
-def _codegen(g, amx):
+def _c_vnni512(builder, g, wj, xj, xstride):
+    """c_of(m): token m's C over the sub-block at wj, xj: G/4 `vpdpbusd` on 16 lanes."""
+    wv = [builder.load(_ptr(builder, _add(builder, wj, 64 * k), _VI), align=4)
+          for k in range(g // 4)]
+
+    def c_of(m):
+        c = ir.Constant(_VI, None)
+        row = _add(builder, xj, builder.mul(ir.Constant(_I64, m), xstride))
+        for k in range(g // 4):
+            x4 = builder.load(_ptr(builder, _add(builder, row, 4 * k), _I32), align=1)
+            c = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI,
+                      [c, wv[k], _splat(builder, x4, _VI)])
+        return c
+    return c_of
+
+
+def _c_ymm(builder, g, wj, xj, xstride, kind):
+    """c_of(m) in 256-bit halves (weight rows 0-7, 8-15), AVX-512 not needed: `kind` "vnni":
+    AVX-VNNI `vpdpbusd`; an int n: AVX2 `vpmaddubsw` (unsigned codes . token codes, pairs to
+    int16), n of them summed in int16, then `vpmaddwd` by ones (pairs to int32); "sign": the same
+    on signed codes (Q8_0), their magnitudes . the token codes carrying their signs (`vpsignb`),
+    one at a time. n x 2 x (largest code) x 127 must fit in int16."""
+    wv = [[builder.load(_ptr(builder, _add(builder, wj, 64 * k + 32 * h), _B32), align=4)
+           for h in range(2)] for k in range(g // 4)]
+    if kind == "sign":
+        mag = [[_call(builder, "llvm.x86.avx2.psign.b", _B32, [w, w]) for w in wk] for wk in wv]
+    run = 1 if kind == "sign" else kind
+    ones = ir.Constant(_W16, [1] * 16)
+
+    def c_of(m):
+        row = _add(builder, xj, builder.mul(m, xstride))
+        xb = []  # token m's 4 codes of group k, in each of the 8 lanes
+        for k in range(g // 4):
+            x4 = builder.load(_ptr(builder, _add(builder, row, 4 * k), _I32), align=1)
+            xb.append(builder.bitcast(_splat(builder, x4, _D8), _B32))
+        halves = []
+        for h in range(2):
+            c = ir.Constant(_D8, None)
+            if kind == "vnni":
+                for k in range(g // 4):
+                    c = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _D8,
+                              [c, builder.bitcast(wv[k][h], _D8), builder.bitcast(xb[k], _D8)])
+                halves.append(c)
+                continue
+            for k0 in range(0, g // 4, run):
+                s16 = None
+                for k in range(k0, k0 + run):
+                    if kind == "sign":
+                        x = _call(builder, "llvm.x86.avx2.psign.b", _B32, [xb[k], wv[k][h]])
+                        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [mag[k][h], x])
+                    else:
+                        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16, [wv[k][h], xb[k]])
+                    s16 = p if s16 is None else builder.add(s16, p)
+                c = builder.add(c, _call(builder, "llvm.x86.avx2.pmadd.wd", _D8, [s16, ones]))
+            halves.append(c)
+        return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_VI, list(range(16))))
+    return c_of
+
+
+def _codegen_ymm(g, kind):
+    """The 256-bit products (`_c_ymm`): a loop over sub-blocks, inside it a loop over the 16
+    tokens (not unrolled: 16 ymm registers hold one token's work), each token's accumulator
+    read from and written back to a buffer on the stack."""
     def codegen(context, builder, sig, args):
         xa, xstride, dxa, sva, wb, sa, za, nsub, out, ostride = args
         fn = builder.function
-        cbuf = cgutils.alloca_once(builder, ir.ArrayType(_VI, 32))  # AMX: C of two sub-blocks
-        cbuf.align = 64
-        cb0 = builder.ptrtoint(cbuf, _I64)
+        acc = cgutils.alloca_once(builder, ir.ArrayType(_VF, 16))  # [token] of <16 x f32>
+        acc.align = 64
+        builder.store(ir.Constant(ir.ArrayType(_VF, 16), None), acc)
+        zero, one = ir.Constant(_I64, 0), ir.Constant(_I64, 1)
+        pre = builder.block
+        jloop, mloop = fn.append_basic_block("qtile.j"), fn.append_basic_block("qtile.m")
+        jnext, done = fn.append_basic_block("qtile.jnext"), fn.append_basic_block("qtile.done")
+        builder.cbranch(builder.icmp_unsigned(">", nsub, zero), jloop, done)
+        builder.position_at_end(jloop)
+        j = builder.phi(_I64)
+        j.add_incoming(zero, pre)
+        s_j = builder.load(_ptr(builder, builder.add(sa, builder.shl(j, ir.Constant(_I64, 6))),
+                                _VF), align=4)
+        z_j = builder.load(_ptr(builder, builder.add(za, builder.shl(j, ir.Constant(_I64, 6))),
+                                _VF), align=4)
+        wj = builder.add(wb, builder.mul(j, ir.Constant(_I64, 16 * g)))
+        xj = builder.add(xa, builder.mul(j, ir.Constant(_I64, g)))
+        c_of = _c_ymm(builder, g, wj, xj, xstride, kind)
+        builder.branch(mloop)
+        builder.position_at_end(mloop)
+        m = builder.phi(_I64)
+        m.add_incoming(zero, jloop)
+        off = builder.shl(builder.add(builder.mul(m, nsub), j), ir.Constant(_I64, 2))
+        dx = builder.load(_ptr(builder, builder.add(dxa, off), _F32), align=4)
+        sv = builder.load(_ptr(builder, builder.add(sva, off), _F32), align=4)
+        c = builder.fmul(builder.sitofp(c_of(m), _VF), _splat(builder, dx, _VF))
+        am = builder.gep(acc, [ir.Constant(_I32, 0), m])
+        a = _call(builder, "llvm.fma.v16f32", _VF, [c, s_j, builder.load(am, align=64)])
+        builder.store(_call(builder, "llvm.fma.v16f32", _VF, [_splat(builder, sv, _VF), z_j, a]),
+                      am, align=64)
+        mn = builder.add(m, one)
+        m.add_incoming(mn, builder.block)
+        builder.cbranch(builder.icmp_unsigned("<", mn, ir.Constant(_I64, 16)), mloop, jnext)
+        builder.position_at_end(jnext)
+        jn = builder.add(j, one)
+        j.add_incoming(jn, jnext)
+        builder.cbranch(builder.icmp_unsigned("<", jn, nsub), jloop, done)
+        builder.position_at_end(done)
+        for t in range(16):
+            dst = _add(builder, out, builder.mul(ir.Constant(_I64, t), ostride))
+            v = builder.load(builder.gep(acc, [ir.Constant(_I32, 0), ir.Constant(_I32, t)]),
+                             align=64)
+            builder.store(v, _ptr(builder, dst, _VF), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _codegen(g, kind):
+    """AMX (`kind` "amx") or AVX512-VNNI ("vnni512"): the 16 tokens' accumulators in registers."""
+    if kind not in ("amx", "vnni512"):
+        return _codegen_ymm(g, kind)
+    amx = kind == "amx"
+
+    def codegen(context, builder, sig, args):
+        xa, xstride, dxa, sva, wb, sa, za, nsub, out, ostride = args
+        fn = builder.function
         if amx:
+            cbuf = cgutils.alloca_once(builder, ir.ArrayType(_VI, 32))  # C of two sub-blocks
+            cbuf.align = 64
+            cb0 = builder.ptrtoint(cbuf, _I64)
             _tile_config(builder, g)
         c64 = ir.Constant(_I64, 64)
 
@@ -143,23 +274,12 @@ def _codegen(g, amx):
             else:
                 wj = _add(builder, wb, builder.mul(j, ir.Constant(_I64, 16 * g)))
                 xj = _add(builder, xa, builder.mul(j, ir.Constant(_I64, g)))
-                wv = [builder.load(_ptr(builder, _add(builder, wj, 64 * k), _VI), align=4)
-                      for k in range(g // 4)]
-
-                def c_of(m):
-                    c = ir.Constant(_VI, None)
-                    row = _add(builder, xj, builder.mul(ir.Constant(_I64, m), xstride))
-                    for k in range(g // 4):
-                        x4 = builder.load(_ptr(builder, _add(builder, row, 4 * k), _I32),
-                                          align=1)
-                        c = _call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI,
-                                  [c, wv[k], _splat(builder, x4, _VI)])
-                    return c
+                c_of = _c_vnni512(builder, g, wj, xj, xstride)
             return _post(builder, accs, c_of, dxa, sva, j, s_j, z_j, nsub)
 
         one = ir.Constant(_I64, 1)
         # AMX (nsub even): one product ahead of the read-back, on alternating tile sets and
-        # buffers; pairs 0 .. P-2 in the loop, the last pair after it. VNNI: a sub-block a turn
+        # buffers; pairs 0 .. P-2 in the loop, the last pair after it. Else a sub-block a turn
         if amx:
             product(ir.Constant(_I64, 0), 0)
             turns = builder.sub(builder.udiv(nsub, ir.Constant(_I64, 2)), one)
@@ -209,15 +329,15 @@ def _codegen(g, amx):
     return codegen
 
 
-def _make(g, amx):
+def _make(g, kind):
     def tile(typingctx, xa, xstride, dxa, sva, wb, sa, za, nsub, out, ostride):
         if not all(isinstance(a, types.Integer) for a in
                    (xa, xstride, dxa, sva, wb, sa, za, nsub, out, ostride)):
             return None
         return types.none(types.int64, types.int64, types.int64, types.int64, types.int64,
                           types.int64, types.int64, types.int64, types.int64,
-                          types.int64), _codegen(g, amx)
-    tile.__name__ = f"qtile_{'amx' if amx else 'vnni'}{g}"
+                          types.int64), _codegen(g, kind)
+    tile.__name__ = f"qtile_{kind}_{g}"
     return intrinsic(tile)
 
 
@@ -225,12 +345,18 @@ def _make(g, amx):
 # xstride bytes), its dx and sv tables at dxa, sva ([16, nsub] f32), the weight block at wb
 # ([nsub, g / 4, 16, 4] u8), its s and z at sa, za ([nsub, 16] f32, 64-byte aligned); y of token
 # m at out + m * ostride (16 f32)
-amx32, amx16 = _make(32, True), _make(16, True)
-vnni32, vnni16 = _make(32, False), _make(16, False)
+amx32, amx16 = _make(32, "amx"), _make(16, "amx")
+vnni32, vnni16 = _make(32, "vnni512"), _make(16, "vnni512")
+avxvnni32, avxvnni16 = _make(32, "vnni"), _make(16, "vnni")
+# AVX2, by the codes' range (x's codes within +-127): 4-bit codes 8 products summed in int16,
+# 5-bit 4, Q6_K's 6-bit 2 (its 16-channel sub-blocks: 4 groups); Q8_0's signed codes one
+avx2_4bit, avx2_5bit, avx2_6bit, avx2_q8 = (_make(32, 8), _make(32, 4), _make(16, 2),
+                                            _make(32, "sign"))
 
 
 # --- peak micro-benchmarks: the dot-product instructions alone, in registers -------------------
-PEAK_OPS = {"vnni": 12 * 64 * 2, "amx-int8": 4 * 16 * 16 * 64 * 2, "amx-bf16": 4 * 16 * 16 * 32 * 2}
+PEAK_OPS = {"vnni": 12 * 64 * 2, "amx-int8": 4 * 16 * 16 * 64 * 2,
+            "amx-bf16": 4 * 16 * 16 * 32 * 2, "avx2": 12 * 32 * 2}
 # ^ operations (a multiply and an add each) of one turn of each loop
 
 
@@ -238,7 +364,7 @@ def _peak_codegen(kind):
     def codegen(context, builder, sig, args):
         (n,) = args
         fn = builder.function
-        if kind != "vnni":
+        if kind.startswith("amx"):
             cfg = cgutils.alloca_once(builder, ir.ArrayType(_I8, 64))
             cfg.align = 64
             base = builder.bitcast(cfg, _PTR)
@@ -254,33 +380,41 @@ def _peak_codegen(kind):
         src = builder.trunc(n, _I32)  # inputs LLVM cannot fold away
         u = _splat(builder, src, _VI)
         s = _splat(builder, builder.add(src, ir.Constant(_I32, 1)), _VI)
+        ub = builder.bitcast(builder.shuffle_vector(u, u, ir.Constant(_D8, list(range(8)))), _B32)
         pre = builder.block
         loop, done = fn.append_basic_block("peak.loop"), fn.append_basic_block("peak.done")
         builder.branch(loop)
         builder.position_at_end(loop)
         i = builder.phi(_I64)
         i.add_incoming(ir.Constant(_I64, 0), pre)
-        accs = []
+        accs, phis = [], []
         if kind == "vnni":
             phis = [builder.phi(_VI) for _ in range(12)]
             for p in phis:
                 p.add_incoming(ir.Constant(_VI, None), pre)
             accs = [_call(builder, "llvm.x86.avx512.vpdpbusd.512", _VI, [p, u, s]) for p in phis]
+        elif kind == "avx2":  # int16 sums fed back as the signed bytes: nothing to hoist
+            phis = [builder.phi(_W16) for _ in range(12)]
+            for p in phis:
+                p.add_incoming(ir.Constant(_W16, None), pre)
+            accs = [builder.add(p, _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _W16,
+                                         [ub, builder.bitcast(p, _B32)])) for p in phis]
         else:
             op = "llvm.x86.tdpbusd" if kind == "amx-int8" else "llvm.x86.tdpbf16ps"
             for c, a, b in ((0, 4, 5), (1, 4, 6), (2, 7, 5), (3, 7, 6)):
                 _call(builder, op, ir.VoidType(), [_b(c), _b(a), _b(b)])
         nxt = builder.add(i, ir.Constant(_I64, 1))
         i.add_incoming(nxt, builder.block)
-        for p, a in zip(phis if kind == "vnni" else [], accs, strict=True):
+        for p, a in zip(phis, accs, strict=True):
             p.add_incoming(a, builder.block)
         builder.cbranch(builder.icmp_unsigned("<", nxt, n), loop, done)
         builder.position_at_end(done)
-        if kind == "vnni":
+        if accs:
             tot = accs[0]
             for a in accs[1:]:
                 tot = builder.add(tot, a)
-            r = _call(builder, "llvm.vector.reduce.add.v16i32", _I32, [tot])
+            r = _call(builder, f"llvm.vector.reduce.add.v16i{32 if kind == 'vnni' else 16}",
+                      tot.type.element, [tot])
             return builder.sext(r, _I64)
         _call(builder, "llvm.x86.tilerelease", ir.VoidType(), [])
         return ir.Constant(_I64, 0)
@@ -296,5 +430,5 @@ def _make_peak(kind):
     return intrinsic(peak)
 
 
-peak_vnni, peak_amx_int8, peak_amx_bf16 = (_make_peak(k) for k in PEAK_OPS)
+peak_vnni, peak_amx_int8, peak_amx_bf16, peak_avx2 = (_make_peak(k) for k in PEAK_OPS)
 AMX_BF16 = AMX and "+amx-bf16" in _FEATURES

@@ -9,8 +9,10 @@ A work item takes 16 weight rows: their GGUF blocks are decoded once into unsign
 for the tile products (kernels/_qtile.py: [sub-block, 4-channel group, row, 4] bytes) with each
 sub-block's scale s and constant term z (value = s q + z; Q4_0's -8 d, Q8_0's +128 shift, the
 K-quants' mins), a few hundred KB that stay in L2, then multiplied by every 16-token tile of
-the chunk: AMX `tdpbsud` where the CPU has it, else AVX512-VNNI `vpdpbusd`. Sub-blocks are 32
-channels (16 for Q6_K, whose scales are per 16). The items go to both cores (prange).
+the chunk: AMX `tdpbsud` where the CPU has it, else AVX512-VNNI `vpdpbusd`, else AVX-VNNI's
+256-bit `vpdpbusd`, else AVX2 `vpmaddubsw` (`GEMM_PATH`; `qgemm(path=...)` takes another the
+CPU has). Sub-blocks are 32 channels (16 for Q6_K, whose scales are per 16). The items go to
+both cores (prange).
 """
 from __future__ import annotations
 
@@ -20,12 +22,21 @@ from numba import njit, prange
 from ._qtile import (
     AMX,
     AMX_BF16,
+    AVX2,
+    AVXVNNI,
     PEAK_OPS,
     VNNI512,
     amx16,
     amx32,
+    avx2_4bit,
+    avx2_5bit,
+    avx2_6bit,
+    avx2_q8,
+    avxvnni16,
+    avxvnni32,
     peak_amx_bf16,
     peak_amx_int8,
+    peak_avx2,
     peak_vnni,
     vnni16,
     vnni32,
@@ -51,7 +62,11 @@ def x_group(qtype: int) -> int:
     return 256 if BLOCK[qtype][0] == 256 else 32
 
 
-INT8_GEMM = VNNI512  # whether this CPU has the int8 GEMM (AMX or AVX512-VNNI)
+# the tile products, best first, and whether this CPU has each
+GEMM_PATHS = ("amx", "avx512-vnni", "avx-vnni", "avx2")
+HAVE_PATH = {"amx": AMX, "avx512-vnni": VNNI512, "avx-vnni": AVXVNNI, "avx2": AVX2}
+GEMM_PATH = next((p for p in GEMM_PATHS if HAVE_PATH[p]), None)  # the one qgemm takes
+INT8_GEMM = GEMM_PATH is not None  # whether this CPU has the int8 GEMM
 
 
 def qgemm_rounding(qtype: int) -> tuple[int, int]:
@@ -61,8 +76,9 @@ def qgemm_rounding(qtype: int) -> tuple[int, int]:
 
 
 def gemm_path(qtype: int, k: int) -> bool:
-    """Whether `qgemm` runs this type and width on this CPU (AMX or AVX512-VNNI)."""
-    return VNNI512 and qtype in GEMM_TYPES and k % x_group(qtype) == 0
+    """Whether `qgemm` runs this type and width on this CPU (AMX, AVX512-VNNI, AVX-VNNI or
+    AVX2)."""
+    return INT8_GEMM and qtype in GEMM_TYPES and k % x_group(qtype) == 0
 
 
 @njit(fastmath=FASTMATH, cache=True, parallel=True)
@@ -85,17 +101,19 @@ def _quantise_rows(x, g, group, codes, dxs, sv):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _unpack_row(w, qtype, tmp, s, z, m):
+def _unpack_row(w, qtype, tmp, s, z, m, signed):
     """Row w [row_bytes] -> its unsigned codes tmp [K] in channel order; scale and constant
-    term of each sub-block into s[j, m], z[j, m]."""
+    term of each sub-block into s[j, m], z[j, m]. `signed`: Q8_0's codes as they are (int8
+    bits, no constant term), for the AVX2 product."""
     k = tmp.shape[0]
     if qtype == Q8_0:
+        flip = np.uint8(0 if signed else 128)
         for b in range(k // 32):
             o = 34 * b
             d = _half(w, o)
-            s[b, m], z[b, m] = d, F32(-128) * d
+            s[b, m], z[b, m] = d, F32(0 if signed else -128) * d
             for i in range(32):
-                tmp[32 * b + i] = w[o + 2 + i] ^ np.uint8(128)
+                tmp[32 * b + i] = w[o + 2 + i] ^ flip
     elif qtype == Q4_0 or qtype == Q4_1:
         one = qtype == Q4_1
         nb = 20 if one else 18
@@ -166,12 +184,12 @@ def _unpack_row(w, qtype, tmp, s, z, m):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _unpack(w, qtype, r0, r1, tmp, wb, s, z):
+def _unpack(w, qtype, r0, r1, tmp, wb, s, z, signed):
     """Rows r0:r1 (at most 16) of w -> the block wb [K / 4 * 16] u32 (codes of row m, channels
     4c..4c+3, at word 16c + m), s, z [nsub, 16] f32; rows past r1 are zeros."""
     for m in range(16):
         if r0 + m < r1:
-            _unpack_row(w[r0 + m], qtype, tmp, s, z, m)
+            _unpack_row(w[r0 + m], qtype, tmp, s, z, m, signed)
             t32 = tmp.view(np.uint32)
             for c in range(t32.shape[0]):
                 wb[16 * c + m] = t32[c]
@@ -186,26 +204,38 @@ BLOCKS = 4  # weight blocks of 16 rows a work item: each token tile's codes are 
 # once for the item, then from L2 for its other blocks (one block an item: 0.5x the speed)
 
 
+@njit(nogil=True, cache=True)
+def _item(w, qtype, b0, b1, k, nsub, signed):
+    """Weight blocks b0:b1 of 16 rows, unpacked: wb [BLOCKS, K / 4 * 16] u32, s, z
+    [BLOCKS, nsub, 16] f32 (`_unpack`)."""
+    n = w.shape[0]
+    tmp = np.empty(k, np.uint8)
+    wb = np.empty((BLOCKS, k // 4 * 16), np.uint32)
+    s = np.empty((BLOCKS, nsub, 16), F32)
+    z = np.empty((BLOCKS, nsub, 16), F32)
+    for b in range(b0, b1):
+        _unpack(w, qtype, 16 * b, min(n, 16 * b + 16), tmp, wb[b - b0], s[b - b0], z[b - b0],
+                signed)
+    return wb, s, z
+
+
+# The GEMM, one function a family of tile products (each compiles only where the CPU has its
+# instructions): w [N, row_bytes] u8; codes [M16, K + PAD] i8; dxs, sv [M16, K/g] f32 ->
+# out [M16, N16] f32. Work items of BLOCKS weight blocks go to the threads; each token tile's
+# addresses are taken inside the loop (Numba frees an array after its last use)
+
 @njit(parallel=True, nogil=True, cache=True)
 def _qgemm(w, qtype, codes, dxs, sv, out, g, amx):
-    # w [N, row_bytes] u8; codes [M16, K + PAD] i8; dxs, sv [M16, K/g] f32 -> out [M16, N16] f32
-    n, m16, xs = w.shape[0], codes.shape[0], codes.shape[1]
+    # AMX (`amx`) or AVX512-VNNI
+    m16, xs, n16 = codes.shape[0], codes.shape[1], out.shape[1]
     k = xs - PAD
     nsub = k // g
-    n16 = out.shape[1]
     amx = amx and nsub % 2 == 0  # the AMX loop takes sub-blocks in pairs
-    nblk = (n + 15) // 16
+    nblk = (w.shape[0] + 15) // 16
     for it in prange((nblk + BLOCKS - 1) // BLOCKS):
         b0, b1 = it * BLOCKS, min(nblk, it * BLOCKS + BLOCKS)
-        tmp = np.empty(k, np.uint8)
-        wb = np.empty((BLOCKS, k // 4 * 16), np.uint32)
-        s = np.empty((BLOCKS, nsub, 16), F32)
-        z = np.empty((BLOCKS, nsub, 16), F32)
-        for b in range(b0, b1):
-            _unpack(w, qtype, 16 * b, min(n, 16 * b + 16), tmp, wb[b - b0], s[b - b0],
-                    z[b - b0])
+        wb, s, z = _item(w, qtype, b0, b1, k, nsub, False)
         for t in range(m16 // 16):
-            # addresses taken inside the loop: Numba frees an array after its last use
             xa = codes.ctypes.data + 16 * t * xs
             da, va = dxs.ctypes.data + 64 * t * nsub, sv.ctypes.data + 64 * t * nsub
             for b in range(b0, b1):
@@ -221,6 +251,58 @@ def _qgemm(w, qtype, codes, dxs, sv, out, g, amx):
                     vnni32(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
                 else:
                     vnni16(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _qgemm_avxvnni(w, qtype, codes, dxs, sv, out, g):
+    # AVX-VNNI: 256-bit vpdpbusd
+    m16, xs, n16 = codes.shape[0], codes.shape[1], out.shape[1]
+    k = xs - PAD
+    nsub = k // g
+    nblk = (w.shape[0] + 15) // 16
+    for it in prange((nblk + BLOCKS - 1) // BLOCKS):
+        b0, b1 = it * BLOCKS, min(nblk, it * BLOCKS + BLOCKS)
+        wb, s, z = _item(w, qtype, b0, b1, k, nsub, False)
+        for t in range(m16 // 16):
+            xa = codes.ctypes.data + 16 * t * xs
+            da, va = dxs.ctypes.data + 64 * t * nsub, sv.ctypes.data + 64 * t * nsub
+            for b in range(b0, b1):
+                i = b - b0
+                wa = wb.ctypes.data + i * 16 * k
+                sa, za = s.ctypes.data + i * 64 * nsub, z.ctypes.data + i * 64 * nsub
+                oa = out.ctypes.data + 4 * (16 * t * n16 + 16 * b)
+                if g == 32:
+                    avxvnni32(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                else:
+                    avxvnni16(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _qgemm_avx2(w, qtype, codes, dxs, sv, out, g):
+    # AVX2: vpmaddubsw + vpmaddwd, the int16 sums by the type's code range (kernels/_qtile.py)
+    m16, xs, n16 = codes.shape[0], codes.shape[1], out.shape[1]
+    k = xs - PAD
+    nsub = k // g
+    nblk = (w.shape[0] + 15) // 16
+    for it in prange((nblk + BLOCKS - 1) // BLOCKS):
+        b0, b1 = it * BLOCKS, min(nblk, it * BLOCKS + BLOCKS)
+        wb, s, z = _item(w, qtype, b0, b1, k, nsub, True)
+        for t in range(m16 // 16):
+            xa = codes.ctypes.data + 16 * t * xs
+            da, va = dxs.ctypes.data + 64 * t * nsub, sv.ctypes.data + 64 * t * nsub
+            for b in range(b0, b1):
+                i = b - b0
+                wa = wb.ctypes.data + i * 16 * k
+                sa, za = s.ctypes.data + i * 64 * nsub, z.ctypes.data + i * 64 * nsub
+                oa = out.ctypes.data + 4 * (16 * t * n16 + 16 * b)
+                if qtype == Q8_0:
+                    avx2_q8(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                elif qtype == Q6_K:
+                    avx2_6bit(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                elif qtype == Q5_0 or qtype == Q5_1 or qtype == Q5_K:
+                    avx2_5bit(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                else:
+                    avx2_4bit(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
 
 
 def quantise_rows(x: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -243,19 +325,30 @@ def quantise_rows(x: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np
 
 def qgemm(w: np.ndarray, qtype: int, x: np.ndarray,
           xq: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-          amx: bool = AMX) -> np.ndarray:
+          path: str | None = None) -> np.ndarray:
     """y [M, N] = W times x rounded to int8 (`quantise_rows`; pass `xq` to reuse a rounding
     of the same x for another matrix of the same sub-block width): w [N, row_bytes] uint8 in
-    `qtype`, x [M, K] float32. `amx=False` takes the AVX512-VNNI product on an AMX CPU."""
+    `qtype`, x [M, K] float32. `path`: the tile product (one of GEMM_PATHS this CPU has;
+    default the best, GEMM_PATH)."""
     m, k = x.shape
     w = _check(w, qtype, k)
+    path = GEMM_PATH if path is None else path
     if not gemm_path(qtype, k):
         raise ValueError(f"no int8 GEMM for type {qtype} at width {k} on this CPU")
+    if not HAVE_PATH.get(path, False):
+        raise ValueError(f"no {path} int8 GEMM on this CPU (it has: "
+                         f"{', '.join(p for p in GEMM_PATHS if HAVE_PATH[p])})")
     codes, dxs, sv = quantise_rows(x, qtype) if xq is None else xq
     n = w.shape[0]
     out = np.empty((codes.shape[0], -(-n // TILE) * TILE), F32)
     use_threads()
-    _qgemm(w, qtype, codes, dxs, sv, out, sub_width(qtype), amx and AMX)
+    g = sub_width(qtype)
+    if path == "avx2":
+        _qgemm_avx2(w, qtype, codes, dxs, sv, out, g)
+    elif path == "avx-vnni":
+        _qgemm_avxvnni(w, qtype, codes, dxs, sv, out, g)
+    else:
+        _qgemm(w, qtype, codes, dxs, sv, out, g, path == "amx")
     return out[:m, :n]
 
 
@@ -286,18 +379,28 @@ def _peak(kind, n, threads):
     return out
 
 
-PEAK_KINDS = ("vnni", "amx-int8", "amx-bf16")
+@njit(parallel=True, nogil=True, cache=True)
+def _peak_avx2(kind, n, threads):
+    # `_peak` of the AVX2 loop, apart: it compiles where AVX-512 does not
+    out = np.zeros(threads, np.int64)
+    for t in prange(threads):
+        out[t] = peak_avx2(n)
+    return out
+
+
+PEAK_KINDS = ("vnni", "amx-int8", "amx-bf16", "avx2")
 
 
 def peak_kinds() -> tuple[str, ...]:
     """The dot-product instructions this CPU has, of those `peak` measures."""
-    have = {"vnni": VNNI512, "amx-int8": AMX, "amx-bf16": AMX_BF16}
+    have = {"vnni": VNNI512, "amx-int8": AMX, "amx-bf16": AMX_BF16, "avx2": AVX2}
     return tuple(k for k in PEAK_KINDS if have[k])
 
 
 def peak(kind: str, threads: int, seconds: float = 0.3) -> float:
     """Operations a second (a multiply and an add each) of the dot-product instruction `kind`
-    ("vnni": AVX512-VNNI vpdpbusd; "amx-int8": tdpbusd; "amx-bf16": tdpbf16ps) on `threads`
+    ("vnni": AVX512-VNNI vpdpbusd; "amx-int8": tdpbusd; "amx-bf16": tdpbf16ps; "avx2":
+    vpmaddubsw with the vpaddw that sums its int16 pairs, the AVX2 product's bound) on `threads`
     threads, each running it on independent registers or tiles for about `seconds`: the
     arithmetic limit of a kernel built on it."""
     import time
@@ -305,12 +408,13 @@ def peak(kind: str, threads: int, seconds: float = 0.3) -> float:
     if kind not in peak_kinds():
         raise ValueError(f"this CPU has no {kind}")
     k = PEAK_KINDS.index(kind)
+    run = _peak_avx2 if kind == "avx2" else _peak
     use_threads()
-    _peak(k, 1, threads)  # compiled, threads awake
+    run(k, 1, threads)  # compiled, threads awake
     n = 1000
     while True:
         t0 = time.perf_counter()
-        _peak(k, n, threads)
+        run(k, n, threads)
         dt = time.perf_counter() - t0
         if dt >= seconds / 4:
             break
@@ -318,6 +422,6 @@ def peak(kind: str, threads: int, seconds: float = 0.3) -> float:
     best = dt
     for _ in range(3):
         t0 = time.perf_counter()
-        _peak(k, n, threads)
+        run(k, n, threads)
         best = min(best, time.perf_counter() - t0)
     return PEAK_OPS[kind] * n * threads / best

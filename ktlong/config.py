@@ -94,8 +94,9 @@ class Settings:
                           choices=("AUTO", "BF16", "FP16", "FP32"))
     prefill_matmul: str = _f("enum", "AUTO", "runtime", "Precision of the prefill matmuls on "
                              "the CPU: INT8 multiplies a GGUF file's quantised blocks by "
-                             "activations rounded to int8 (AMX or AVX512-VNNI, as llama.cpp's "
-                             "Q8 activations); BF16 rounds activations and weight tiles to "
+                             "activations rounded to int8 (AMX, AVX512-VNNI, AVX-VNNI or AVX2, as "
+                             "llama.cpp's Q8 activations); BF16 rounds activations and weight "
+                             "tiles to "
                              "bfloat16 (about 2x the FP32 speed where the CPU has BF16 dot "
                              "products, error ~4e-3 of a row's largest output); AUTO = INT8 "
                              "for quantised layers at least 1024 wide on such a CPU, else BF16 "

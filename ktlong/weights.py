@@ -10,8 +10,8 @@ A one-token forward reads every weight once, so decode on the CPU is bound by we
 Activations stay in the model's compute dtype (float32 on the CPU).
 `QuantLinear` / `QuantEmbedding` do the same over a GGUF tensor's bytes in the memory-mapped file
 (kernels/qlinear.py): decode reads the quantised bytes once; prefill either multiplies the blocks
-by int8-rounded rows in the int8 GEMM (kernels/qmatmul.py: AMX or AVX512-VNNI; `int8_prefill`
-says where) or dequantises tiles of rows for torch.
+by int8-rounded rows in the int8 GEMM (kernels/qmatmul.py: AMX, AVX512-VNNI, AVX-VNNI or
+AVX2; `int8_prefill` says where) or dequantises tiles of rows for torch.
 """
 
 from __future__ import annotations
@@ -380,7 +380,7 @@ def bf16_prefill(width: int, mode: str) -> bool:
 
 def int8_prefill(width: int, mode: str) -> bool:
     """Whether a quantised layer `width` inputs wide multiplies prefill rows in the int8 GEMM
-    under `mode` (where the CPU has AMX or AVX512-VNNI)."""
+    under `mode` (where the CPU has AMX, AVX512-VNNI, AVX-VNNI or AVX2)."""
     return kernels.INT8_GEMM and (mode == "INT8" or (mode == "AUTO" and width >= INT8_MIN_WIDTH))
 
 

@@ -1,7 +1,15 @@
 """The quantised prefill GEMM (kernels/qmatmul.py, kernels/_qtile.py): exactly W times x rounded
-to int8 as the decode GEMV rounds it, for every GGUF type, on AMX and on AVX512-VNNI, at row and
-token counts off the 16-row tiles; and the modules that take it for prefill."""
+to int8 as the decode GEMV rounds it, for every GGUF type, on every tile product this CPU has
+(AMX, AVX512-VNNI, AVX-VNNI, AVX2), at row and token counts off the 16-row tiles, at the codes'
+extremes (the AVX2 product's int16 sums); the AVX2 and AVX-VNNI products compiled for CPUs
+without AVX-512; and the modules that take it for prefill."""
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -13,10 +21,11 @@ from torch import nn
 from ktlong import kernels, quant, weights
 from ktlong.weights import GatedMLP, QuantLinear, set_prefill_matmul
 
-from .test_quant import QTYPES, random_blocks
+from .test_quant import _HALVES, QTYPES, random_blocks
 
-pytestmark = pytest.mark.skipif(not kernels.INT8_GEMM, reason="needs AMX or AVX512-VNNI")
-PRODUCTS = [True, False] if qm.AMX else [False]  # amx=True / False; VNNI always
+pytestmark = pytest.mark.skipif(not kernels.INT8_GEMM,
+                                reason="needs AMX, AVX512-VNNI, AVX-VNNI or AVX2")
+PRODUCTS = [p for p in qm.GEMM_PATHS if qm.HAVE_PATH[p]]  # every product this CPU can run
 
 
 def _reference(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
@@ -32,15 +41,15 @@ def _reference(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("amx", PRODUCTS)
+@pytest.mark.parametrize("path", PRODUCTS)
 @pytest.mark.parametrize(("tokens", "rows", "k"), [(21, 37, 512), (16, 16, 256), (5, 50, 1280)])
-def test_qgemm_equals_w_times_int8_rounded_x(qtype, amx, tokens, rows, k):
+def test_qgemm_equals_w_times_int8_rounded_x(qtype, path, tokens, rows, k):
     t = quant.TYPES[qtype]
     raw = random_blocks(qtype, rows, k, seed=k + t.ggml)
     x = np.random.default_rng(tokens).standard_normal((tokens, k)).astype(np.float32)
     x[1] *= 30  # rows of other scales
     x[2] = 0  # and an all-zero row
-    got = kernels.qgemm(raw, t.ggml, x, amx=amx)
+    got = kernels.qgemm(raw, t.ggml, x, path=path)
     want = _reference(raw, qtype, x)
     assert got.shape == (tokens, rows) and got.dtype == np.float32
     scale = np.abs(want).max(axis=1, keepdims=True) + 1e-30
@@ -53,13 +62,96 @@ def test_qgemm_equals_w_times_int8_rounded_x(qtype, amx, tokens, rows, k):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-def test_qgemm_over_an_odd_number_of_sub_blocks(qtype):
+@pytest.mark.parametrize("path", PRODUCTS)
+def test_qgemm_over_an_odd_number_of_sub_blocks(qtype, path):
     """K = 96: three 32-blocks (the AMX loop takes pairs: the VNNI product takes it)."""
     t = quant.TYPES[qtype]
     raw = random_blocks(qtype, 19, 96, seed=3)
     x = np.random.default_rng(3).standard_normal((18, 96)).astype(np.float32)
-    got, want = kernels.qgemm(raw, t.ggml, x), _reference(raw, qtype, x)
+    got, want = kernels.qgemm(raw, t.ggml, x, path=path), _reference(raw, qtype, x)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+
+
+_SCALES = {"Q4_K": (4, 16), "Q5_K": (4, 16), "Q6_K": (192, 208)}  # bytes of 6/8-bit scales
+
+
+def _extreme_blocks(qtype: str, rows: int, k: int) -> np.ndarray:
+    """Random scales, every code at its top (even rows: bytes 0xFF; Q8_0: +127) or bottom
+    (odd rows: 0x00; Q8_0: -128): the largest products the int8 GEMM can meet."""
+    t = quant.TYPES[qtype]
+    raw = random_blocks(qtype, rows, k, seed=17).reshape(rows, -1, t.nbytes)
+    keep = np.zeros(t.nbytes, bool)
+    for o in _HALVES[qtype]:
+        keep[o:o + 2] = True
+    if qtype in _SCALES:
+        keep[slice(*_SCALES[qtype])] = True
+    top, bottom = (0x7F, 0x80) if qtype == "Q8_0" else (0xFF, 0x00)
+    raw[0::2, :, ~keep] = top
+    raw[1::2, :, ~keep] = bottom
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("path", PRODUCTS)
+def test_qgemm_at_the_codes_extremes(qtype, path):
+    """Codes at their ends times token codes at +-127 (rows of one value, of both signs): the
+    AVX2 product sums up to 8 `vpmaddubsw` pairs in int16 (2 x 15 x 127 each for 4-bit codes,
+    2 x 63 x 127 for Q6_K's, 2 x 128 x 127 for Q8_0's magnitudes), where one product more in a
+    sum, or Q8_0 as unsigned codes (2 x 255 x 127), would wrap or saturate."""
+    t = quant.TYPES[qtype]
+    k = 512
+    raw = _extreme_blocks(qtype, 32, k)
+    x = np.ones((20, k), np.float32)
+    x[1::2] = -1
+    x[4] = np.where(np.arange(k) % 2, 3.0, -3.0)
+    got, want = kernels.qgemm(raw, t.ggml, x, path=path), _reference(raw, qtype, x)
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+
+
+# A child process taken for a CPU without AVX-512 (and, for "avx2", without AVX-VNNI): llvmlite
+# reports the features so, Numba compiles for that CPU (an AVX-512 instruction would not
+# compile), so ktlong's kernels see W = 8 and pick that tile product by themselves
+_NARROW_CPU = textwrap.dedent("""
+    import json, os, sys
+    import llvmlite.binding as llb
+    host, off = llb.get_host_cpu_features, tuple(sys.argv[2].split(","))
+    def narrow():
+        fm = host()
+        for f in list(fm):
+            fm[f] = fm[f] and not f.startswith(off)
+        return fm
+    llb.get_host_cpu_features = narrow
+    os.environ["NUMBA_CPU_NAME"] = sys.argv[1]
+    os.environ["NUMBA_CPU_FEATURES"] = narrow().flatten()
+    import numpy as np
+    from ktlong.kernels import _vec, qmatmul
+    from tests.test_quant import random_blocks
+    got = {}
+    for name, ggml in json.loads(sys.argv[3]).items():
+        x = np.random.default_rng(ggml).standard_normal((21, 512)).astype(np.float32)
+        got[name] = qmatmul.qgemm(random_blocks(name, 37, 512, seed=ggml), ggml, x).tolist()
+    print(json.dumps({"W": _vec.W, "path": qmatmul.GEMM_PATH, "got": got}))
+""")
+
+
+@pytest.mark.parametrize(("path", "cpu", "off"), [
+    ("avx2", "haswell", "avx512,amx,avx10,evex512,avxvnni"),
+    ("avx-vnni", "alderlake", "avx512,amx,avx10,evex512")])
+def test_qgemm_on_a_cpu_without_avx512(path, cpu, off):
+    if not qm.HAVE_PATH[path]:
+        pytest.skip(f"this CPU cannot run {path} code")
+    types_ = {name: quant.TYPES[name].ggml for name in QTYPES}
+    out = subprocess.run([sys.executable, "-c", _NARROW_CPU, cpu, off, json.dumps(types_)],
+                         capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["W"] == 8 and res["path"] == path
+    for name, ggml in types_.items():
+        x = np.random.default_rng(ggml).standard_normal((21, 512)).astype(np.float32)
+        want = _reference(random_blocks(name, 37, 512, seed=ggml), name, x)
+        got = np.asarray(res["got"][name], np.float32)
+        assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), name
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0"])

@@ -18,15 +18,15 @@ for Vertical-Slash to follow: its diagonals scatter, each read as a lone diagona
 diagonals gather near the query, where they are read as ranges).
 
 Against the arithmetic limit: the machine's peak of each dot-product instruction ktlong's prefill
-matmuls can run on (AVX512-VNNI `vpdpbusd`, AMX `tdpbusd` and `tdpbf16ps`; kernels/qmatmul.py's
-`peak`, every thread on registers or tiles alone) is measured once per run; each ktlong row gives
-the precision of its matmuls (INT8, BF16, FP32), the operations its linear layers take a token
-(2 x the weights of the decoder layers), the rate it ran them at outside attention, and that
-rate's share of the peak of the instruction the precision runs on ("of limit"). "128K s" projects
-the time to read 131,072 tokens of the loaded model from the run: its time outside attention per
-token times 131,072, plus its attention time scaled by (131,072 / context) squared (dense) or
-linearly (window, minference: past the window each token reads about as much); a run at 128K
-reports itself.
+matmuls can run on (AVX512-VNNI `vpdpbusd`, AMX `tdpbusd` and `tdpbf16ps`, AVX2 `vpmaddubsw`;
+kernels/qmatmul.py's `peak`, every thread on registers or tiles alone) is measured once per run;
+each ktlong row gives the precision of its matmuls (INT8, BF16, FP32), the operations its
+linear layers take a token (2 x the weights of the decoder layers), the rate it ran them at
+outside attention, and that rate's share of the peak of the instruction the precision runs on
+("of limit"). "128K s" projects the time to read 131,072 tokens of the loaded model from the
+run: its time outside attention per token times 131,072, plus its attention time scaled by
+(131,072 / context) squared (dense) or linearly (window, minference: past the window each token
+reads about as much); a run at 128K reports itself.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def linear_ops(model: Any) -> int:
 
 
 # the instruction each prefill precision runs on, best first (kernels/qmatmul.py: PEAK_KINDS)
-LIMIT_OF = {"INT8": ("amx-int8", "vnni"), "BF16": ("amx-bf16",)}
+LIMIT_OF = {"INT8": ("amx-int8", "vnni", "avx2"), "BF16": ("amx-bf16",)}
 TARGET = 131072  # tokens of the projected read
 
 
