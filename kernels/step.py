@@ -72,21 +72,36 @@ def _choose(per_head, candidates, k, shared, chosen, base, shifts):
                 shifts[r, i] = base + i - chosen[r, i]
 
 
+@njit(nogil=True, cache=True)
+def _take(given, chosen, base, shifts, ctr):
+    """A choice made before the call (`given` [S, k]) as if the scoring had made it."""
+    chosen[:, :] = given
+    if base >= 0:
+        for r in range(chosen.shape[0]):
+            for i in range(chosen.shape[1]):
+                shifts[r, i] = base + i - chosen[r, i]
+    ctr[CHOSEN] = 1
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _step(q, qsel, anchors, fmt, candidates, quest, k, shared, perm_a, fixed, fixed_sh, base,
           k_base, v_base, k_tail, v_tail, nb_base, n_blocks, n_tokens, scale, perm, tab, rot, lanes,
-          per, sf, ss):
+          per, sf, ss, given):
     # q [Hq, d], qsel [Hq, d] the query that scores; anchors bytes [Hkv, nb_cap, A, row];
     # candidates [n], fixed [nf] int32;
     # fixed_sh [nf] or [0] and base (< 0: none): shifts (see select_attend); tab, rot: a Turns;
     # K/V [Hkv, nb, bs, row] (kv_view); per / sf / ss: parts per head of the scoring, the fixed
-    # blocks and the chosen ones -> out [Hq, d], lse [Hq], chosen [S, k]
+    # blocks and the chosen ones; given [S, k] int32: the choice, already made (no scoring), or
+    # [0, 0] -> out [Hq, d], lse [Hq], chosen [S, k]
     if not (ids_in_range(candidates.reshape(1, -1), min(n_blocks, anchors.shape[1]))
             and ids_in_range(fixed.reshape(1, -1), n_blocks)):
         raise ValueError("block id out of range")
     hkv, n, nf, ni = k_tail.shape[0], candidates.shape[0], fixed.shape[0], sf + ss
     qs, per_head, qp, acc, mx, den, chosen, csh, ctr = _prologue(
         q, qsel, anchors, quest, perm_a, n, hkv, perm, scale, hkv * ni, 1 if shared else hkv, k)
+    if given.shape[0]:
+        _take(given, chosen, base, csh, ctr)
+        per = 0
     n_score, n_fixed = hkv * per, hkv * sf
     n_tasks = n_score + n_fixed + hkv * ss
     for _lane in prange(lanes):
@@ -147,12 +162,14 @@ def select_attend(q, anchors, candidates, k, quest, shared, fixed, k_base, v_bas
 
 def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, shared, fixed,
                         n_tokens, scale, fixed_shifts=None, chosen_base=-1,
-                        turns: Turns | None = None, qscore=None):
+                        turns: Turns | None = None, qscore=None, chosen=None):
     """`select_attend` over a layer's prepared K/V and anchor views. With `fixed_shifts` [nf]
     int32, `chosen_base` and their `turns`, blocks are read at other positions (see
     `attend_layer`): fixed block i as if fixed_shifts[i] blocks later, the i-th chosen block of a
     row as if it were block chosen_base + i (chosen_base < 0: the chosen blocks where they are).
-    qscore [Hq, d]: the query that scores the candidates (default q)."""
+    qscore [Hq, d]: the query that scores the candidates (default q). `chosen` [S, k] int32:
+    the choice `select_blocks` made already (e.g. to ask a disk tier for those blocks first):
+    not scored again, and read in the same order, so the output is the same to the bit."""
     q = kv.query(q)
     qsel = q if qscore is None else kv.query(qscore)
     fixed = readonly(fixed, np.int32)
@@ -181,12 +198,21 @@ def select_attend_layer(kv: LayerKV, av: AnchorView, q, candidates, k, quest, sh
     # parts per head; the scoring and the chosen blocks' items twice as fine as the fixed ones:
     # the top-k waits for the last scoring part, and the chosen blocks' items end the step
     # (ad hoc A/Bs at 128K-1M on 2 threads: equal parts took 1.00-1.16x the time)
+    given = _NOT_GIVEN
+    if chosen is not None:
+        given = readonly(chosen, np.int32)
+        if given.shape != (1 if shared else kv.hkv, k):
+            raise ValueError(f"chosen must be [{1 if shared else kv.hkv}, {k}], "
+                             f"got {given.shape}")
     split = items_per_head(kv.hkv)
     return _step(q, qsel, av.raw, av.fmt, candidates, bool(quest), k, bool(shared), av.perm, fixed,
                  fsh[0], base, kv.k_base, kv.v_base, kv.k_tail, kv.v_tail, kv.nb_base,
                  kv.n_blocks(n_tokens), n_tokens, F32(scale * LOG2E), kv.perm, turns.tab,
                  turns.rot, use_threads(), min(2 * split, candidates.size),
-                 min(split, fixed.size), min(2 * split, k))
+                 min(split, fixed.size), min(2 * split, k), given)
+
+
+_NOT_GIVEN = readonly(np.zeros((0, 0), np.int32))
 
 
 def select_attend_ref(q, anchors, candidates, k, quest, shared, fixed, k_base, v_base, k_tail,

@@ -288,8 +288,7 @@ class SelectionPolicy:
         compact = self.s.block_positions == "COMPACT"
         near = self.s.question_positions == "NEAR"
         turns = self.turns(step.local0)
-        if (step.candidates is not None and (near or not compact) and self.store.tier is None
-                and not self._scores_apart()):
+        if step.candidates is not None and (near or not compact) and not self._scores_apart():
             # one call with the choice: the fixed blocks' shifts are known before it, and
             # (COMPACT) the i-th chosen block of a row is read as block local0 - k - m + i
             n0, m = step.n_init, step.pins.size
@@ -303,7 +302,7 @@ class SelectionPolicy:
             out, lse, chosen = kernels.select_attend_layer(
                 kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
                 self.shared, fixed, step.n_tokens, scale, shifts, base, turns,
-                qscore=self.score_query(step))
+                qscore=self.score_query(step), chosen=self._tier_choice(step))
             self.commit(step, chosen)
             return out, lse
         if step.candidates is not None:
@@ -322,8 +321,7 @@ class SelectionPolicy:
         if step.candidates is None:
             self.commit(step)
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
-        if self.store.tier is not None or self._scores_apart():
-            # choose first: a disk tier is asked for the chosen blocks before they are read
+        if self._scores_apart():  # chosen apart, then read (a tier asked for them between)
             chosen = self._choose(step)
             if self.store.tier is not None:
                 self.store.prefetch(step.layer, chosen)
@@ -331,9 +329,20 @@ class SelectionPolicy:
             return kernels.attend_layer(kv, step.q, step.blocks(end), step.n_tokens, scale)
         out, lse, chosen = kernels.select_attend_layer(
             kv, anchors, step.q, step.candidates, step.k, self.s.anchor_type == "QUEST",
-            self.shared, step.fixed(end), step.n_tokens, scale, qscore=self.score_query(step))
+            self.shared, step.fixed(end), step.n_tokens, scale, qscore=self.score_query(step),
+            chosen=self._tier_choice(step))
         self.commit(step, chosen)
         return out, lse
+
+    def _tier_choice(self, step: Step) -> np.ndarray | None:
+        """With a disk tier: the step's choice made first, and its blocks asked for before the
+        kernel reads them (the kernel then reads as if it had chosen: the same output to the
+        bit, so the tier never changes an answer). None without one: the kernel chooses."""
+        if self.store.tier is None:
+            return None
+        chosen = self._choose(step)
+        self.store.prefetch(step.layer, chosen)
+        return chosen
 
     def _candidates(self, layer: int, local0: int) -> np.ndarray:
         lo = self.n_init

@@ -156,6 +156,36 @@ def test_select_attend_scores_with_its_own_query(turned):
     assert differ  # some draw where q alone would have chosen other blocks
 
 
+@pytest.mark.parametrize("turned", [False, True])
+def test_a_choice_made_first_reads_to_the_same_bit(turned):
+    """`chosen=` (a disk tier asks for the blocks before the kernel reads them): no scoring,
+    the same blocks and the same output and lse, bit for bit, as the kernel's own choice."""
+    rng = np.random.default_rng(11 + turned)
+    for trial in range(4):
+        args = draw(rng, 4, 16, 1, "Q8", quest=False, shared=trial % 2 == 0)
+        q, anchors, cand, k, quest, shared, fixed, kb, vb, kt, vt, nb_base, n_tokens, scale = \
+            args[:14]
+        kv, av = K.layer_kv(kb, vb, kt, vt, nb_base, 1), K.anchor_view(anchors)
+        extra = ()
+        if turned:
+            turns = K.rope_turns(rope_freqs(rng, q.shape[1]), 16, 80, q.shape[1], 1)
+            extra = (rng.integers(-3, 9, fixed.size).astype(np.int32), 2, turns)
+        own = K.select_attend_layer(kv, av, q, cand, k, quest, shared, fixed, n_tokens, scale,
+                                    *extra)
+        first = K.select_blocks(q, anchors, cand, k, quest, shared)
+        given = K.select_attend_layer(kv, av, q, cand, k, quest, shared, fixed, n_tokens, scale,
+                                      *extra, chosen=first)
+        for a, b in zip(own, given, strict=True):
+            np.testing.assert_array_equal(a, b)
+        other = np.sort(cand[rng.choice(cand.size, first.shape[1], replace=False)])
+        moved = K.select_attend_layer(kv, av, q, cand, k, quest, shared, fixed, n_tokens, scale,
+                                      *extra, chosen=np.broadcast_to(other, first.shape))
+        np.testing.assert_array_equal(moved[2], np.broadcast_to(other, first.shape))
+    with pytest.raises(ValueError, match="chosen must be"):
+        K.select_attend_layer(kv, av, q, cand, k, quest, shared, fixed, n_tokens, scale,
+                              chosen=first[:, :-1])
+
+
 def test_concurrent_steps_from_two_threads():
     """The task counter is per call: two Python threads stepping at once get exact results."""
     rng = np.random.default_rng(4)

@@ -258,10 +258,11 @@ def test_a_real_chat_step_reads_its_budget_and_nothing_from_disk(models, home, t
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
 def test_the_cache_and_the_thread_count_leave_the_answer_as_it_was(models, tmp_path, name):
-    """3,000 tokens of real prose read sparsely (a budget of ~1,800 tokens a step): the question
+    """3,000 tokens of real prose read sparsely (a budget of ~1,900 tokens a step): the question
     after the document from the prompt cache gets the logits, bit for bit, and the greedy answer
     that it gets after the document's own prefill; decoding on 1 thread instead of 2 too (the
-    attention's work split is the machine's, not the session's)."""
+    attention's work split is the machine's, not the session's); and a read whose KV goes to
+    the disk tier (kv_tier DISK: the block choice is made before the kernel reads)."""
     import dataclasses
 
     from ktlong.conversation import Conversation
@@ -270,15 +271,19 @@ def test_the_cache_and_the_thread_count_leave_the_answer_as_it_was(models, tmp_p
 
     lm = load_model(models[name])
     st = fit_to_model(resolve_settings(None, {
-        "threads_num": 2, "second_select_num": 8, "local_windows_len": 512, "init_len": 128},
-        config_file=False), lm.spec).settings
+        "threads_num": 2, "second_select_num": 12, "local_windows_len": 256, "init_len": 128},
+        config_file=False), lm.spec).settings  # 12 blocks: 8 the question's, 4 chosen a step
     conv = Conversation(lm.tokenizer, lm.tokenizer.decode(_ids(lm.tokenizer, 3000)))
     ids = conv.document_ids()
     question = conv.prompt_ids(conv.question_text("What does the license say about patents?"))
     runs, states = [], []
-    for threads in (2, 2, 1):  # the first reads the document and writes its entry
-        opened = open_document(lm, st, ids, cache_dir=tmp_path)
+    for threads, tier in ((2, "RAM"), (2, "RAM"), (1, "RAM"), (2, "DISK")):
+        # the first reads the document and writes its entry; the one on the disk tier reads it
+        # again (into a cache folder of its own) and maps its entry as the first did
+        where = tmp_path / tier
+        opened = open_document(lm, dataclasses.replace(st, kv_tier=tier), ids, cache_dir=where)
         s = opened.session
+        assert (s.store.tier is not None) == (tier == "DISK")
         s.settings = dataclasses.replace(st, threads_num=threads)
         states.append((s.policy.doc_start, s.policy.pinned().copy()))
         # the document leaves the same state however it came: the template's length, no pins
@@ -287,7 +292,7 @@ def test_the_cache_and_the_thread_count_leave_the_answer_as_it_was(models, tmp_p
         logits = s.logits.clone()
         answer = [step.token_id for step in s.generate(Sampling(max_new_tokens=24))]
         runs.append((opened.source, logits, answer))
-    assert [r[0] for r in runs] == ["prefill", "cache", "cache"]
+    assert [r[0] for r in runs] == ["prefill", "cache", "cache", "prefill"]
     assert s.policy.sparse_for(len(question))
     for source, logits, answer in runs[1:]:
         assert torch.equal(logits, runs[0][1]), source
