@@ -135,7 +135,7 @@ class ChatLoop:
         self._tell_if_kernels_compile(len(ids))
         self.session = None
         gc.collect()  # a previous session's KV store goes before the new one is made
-        with self.ui.progress("reading the document") as progress:
+        with self.ui.progress("reading the document", eta=self._eta(len(ids))) as progress:
             if ids:
                 opened = open_document(self.lm, self.settings, ids, progress, self.use_cache,
                                        self.cache_dir)
@@ -189,7 +189,7 @@ class ChatLoop:
                 ids, told = self.shift(text, lead, self.sampling.max_new_tokens)
                 if told:
                     self.ui.note(told)
-            with self.ui.progress("reading", PROGRESS_MIN_TOKENS) as progress:
+            with self.ui.progress("reading", PROGRESS_MIN_TOKENS, self._eta(len(ids))) as progress:
                 s.extend_to(ids, progress)
         except BaseException:  # Ctrl-C or too long: the question is dropped, the store kept whole
             s.truncate(len(s.tokens))
@@ -221,6 +221,12 @@ class ChatLoop:
             ans.stats = dataclasses.replace(ans.stats)
             if ans.stop in ("interrupted", "context_full"):
                 s.truncate(len(s.tokens))  # a forward cut short may have written some layers
+
+    def _eta(self, end: int) -> Any:
+        """The progress bar's clock for a read that ends at position `end`."""
+        from ktlong.eta import Eta, reach_of
+
+        return Eta(reach_of(self.settings, self.lm.spec, end), end)
 
     def _recalled(self, question: str) -> str:
         """LOCRET, a document longer than what was kept: the passages of it that hold the

@@ -8,8 +8,9 @@ style inline: no build step, no CDN), and the few routes it needs besides the Op
   KEEP_DOCUMENTS) under an id, with a `Renderer` that places it as `ktlong chat -f` does, so
   its prompt-cache entry is the chat's and `prefill`'s.
 - `POST /api/documents/{id}/read`: prefill it now (a Server-Sent Events stream of
-  `{"done", "total", "seconds"}` then `{"done": true, ...the engine's numbers}`), so it is read
-  while the user types. A chat request names it as `"ktlong": {"document": ID}`.
+  `{"done", "total", "seconds", "eta_s"}` (eta_s: ktlong.eta's time left, null at first) then
+  `{"done": true, ...the engine's numbers}`), so it is read while the user types. A chat
+  request names it as `"ktlong": {"document": ID}`.
 
 With `--api-key`, the page too: `/` answers a small form (401) until `POST /login` with the key
 sets an HttpOnly, SameSite=Strict cookie that holds an HMAC of the key (never the key), which the
@@ -34,6 +35,7 @@ from urllib.parse import parse_qs
 
 from ktlong.documents import MAX_BYTES
 from ktlong.errors import KtlongError
+from ktlong.eta import Eta, reach_of
 from ktlong.serving import Job, Prompt, Renderer, prompt_rows
 
 COOKIE = "ktlong_key"
@@ -201,14 +203,19 @@ async def _read_events(server: Any, doc: Upload) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     job = Job(doc.read, None, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    eng = server.engine
+    eta = Eta(reach_of(eng.settings, eng.lm.spec, doc.tokens), doc.tokens)
     t0 = time.monotonic()
     server.engine.submit(job)
     try:
         while True:
             ev = await events.get()
             if ev[0] == "progress":
+                eta.update(ev[1], ev[2])
+                left = eta.remaining()
                 yield _data({"done": ev[1], "total": ev[2],
-                             "seconds": round(time.monotonic() - t0, 2)})
+                             "seconds": round(time.monotonic() - t0, 2),
+                             "eta_s": None if left is None else round(left, 1)})
             elif ev[0] == "error":
                 yield _data(_from_exception(ev[1]).body())
                 return

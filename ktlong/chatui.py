@@ -22,7 +22,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -47,6 +47,17 @@ def printable(text: str) -> str:
 class _TokRate(ProgressColumn):
     def render(self, task: Any) -> Text:
         return Text(f"{task.speed:,.0f} tok/s" if task.speed else "- tok/s", style="cyan")
+
+
+class _Eta(ProgressColumn):
+    """The time left from the read's cost so far (ktlong.eta), not from the last seconds' rate."""
+
+    def render(self, task: Any) -> Text:
+        left = task.fields["eta"].remaining()
+        if left is None:
+            return Text("ETA -:--:--", style="progress.remaining")
+        m, s = divmod(int(left + 0.5), 60)
+        return Text(f"ETA {m // 60}:{m % 60:02d}:{s:02d}", style="progress.remaining")
 
 
 class TerminalUI:
@@ -75,20 +86,25 @@ class TerminalUI:
             yield
 
     @contextmanager
-    def progress(self, label: str, min_tokens: int = 0) -> Iterator[Callable[[int, int], None]]:
-        """A progress callback (done, total) that shows a bar once `total >= min_tokens`."""
+    def progress(self, label: str, min_tokens: int = 0, eta: Any = None
+                 ) -> Iterator[Callable[[int, int], None]]:
+        """A progress callback (done, total) that shows a bar once `total >= min_tokens`; `eta`
+        (a ktlong.eta.Eta: the read's reach and end) gives its time left."""
+        from ktlong.eta import Eta
+
         bar: list[Any] = []
+        eta = eta or Eta()
 
         def update(done: int, total: int) -> None:
+            eta.update(done, total)
             if not bar:
                 p = None
                 if total >= min_tokens:
                     p = Progress(TextColumn("{task.description}"), BarColumn(bar_width=24),
                                  TextColumn("{task.completed:,}/{task.total:,} tokens"),
-                                 _TokRate(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 console=self.err)
+                                 _TokRate(), _Eta(), console=self.err)
                     p.start()
-                    p.add_task(label, total=total)
+                    p.add_task(label, total=total, eta=eta)
                 bar.append(p)
             if bar[0] is not None:
                 bar[0].update(bar[0].task_ids[0], completed=done)

@@ -1106,6 +1106,23 @@ def bench_faults(model: ModelOpt = None,
     faults.main(str(model), prompt_file, points, max_tokens, threads, as_json, command)
 
 
+@bench_app.command("eta")
+def bench_eta(model: ModelOpt = None,
+              prompt_file: Annotated[str, typer.Option(
+                  "--prompt-file", "-f", metavar="FILE", help="The document.")] = "",
+              profile: ProfileOpt = None, sets: SetOpt = None,
+              threads: ThreadsOpt = None, as_json: JsonOpt = False) -> None:
+    """How true the chat's ETA is: the chat reads the document (no cache) and every ETA its
+    progress bar showed is held against the time really left (and a 30 s rate's ETA)."""
+    from ktlong.bench import eta
+
+    if model is None or not prompt_file:
+        raise KtlongError("bench eta needs a model and a document",
+                          hint="e.g. ktlong bench eta -m smollm2 -f book.txt -t 2")
+    st = fitted(resolve(profile, sets, threads_num=threads), model).settings
+    eta.main(model, prompt_file, st, as_json, " ".join(["ktlong", *sys.argv[1:]]))
+
+
 @bench_app.command("hostile")
 def bench_hostile(model: ModelOpt = None, as_json: JsonOpt = False) -> None:
     """Hostile documents (damaged, encrypted and bomb PDFs, EPUB/DOCX zip bombs and path tricks,

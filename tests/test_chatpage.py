@@ -156,6 +156,8 @@ def test_read_streams_progress_and_the_question_reuses_it(srv, lm) -> None:
     assert progress and all(e["total"] == got["tokens"] for e in progress)
     assert [e["done"] for e in progress] == sorted(e["done"] for e in progress)
     assert progress[-1]["done"] == got["tokens"]
+    # the time left: none before enough is known, then a number that reaches 0 at the end
+    assert progress[0]["eta_s"] is None and progress[-1]["eta_s"] == 0
     assert end["done"] is True and end["prompt_tokens"] == got["tokens"]
     assert end["context_tokens"] == got["tokens"] and end["prefill_s"] >= 0
 

@@ -1,0 +1,104 @@
+"""The progress bar's time left (ktlong.eta) against reads whose cost is known."""
+import pytest
+
+from ktlong.eta import Eta, keys_before
+
+
+def read_times(total, start, reach, a, b, chunk=256):
+    """(seconds, done) after each chunk of a read costing a + b min(p, reach) a token."""
+    t, out = 0.0, []
+    for c0 in range(0, total, chunk):
+        c1 = min(total, c0 + chunk)
+        t += sum(a + b * min(p, reach or p) for p in range(start + c0, start + c1))
+        out.append((t, c1))
+    return out
+
+
+@pytest.mark.parametrize("reach", [None, 6144])
+@pytest.mark.parametrize("start", [0, 20_000])
+def test_the_time_left_follows_the_cost_of_the_keys_read(reach, start):
+    total, a, b = 32_768, 2e-3, 1e-6  # attention 3x the rest at 6K keys
+    times = read_times(total, start, reach, a, b)
+    end = times[-1][0]
+    eta = Eta(reach, start + total)
+    eta.update(0, total, 0.0)
+    for t, done in times[:-1]:
+        eta.update(done, total, t)
+        left = eta.remaining()
+        if done >= total // 10:
+            assert left == pytest.approx(end - t, rel=0.02)
+
+
+def test_a_rate_alone_would_miss_by_more_than_a_fifth():
+    # the case the model is for: a window read judged by its first tenth's rate
+    total, reach = 32_768, 6144
+    times = read_times(total, 0, reach, 2e-3, 1e-6)
+    t, done = next((t, d) for t, d in times if d >= total // 10)
+    by_rate = t / done * (total - done)
+    assert by_rate < 0.8 * (times[-1][0] - t)
+
+
+def test_noise_and_too_few_points():
+    eta = Eta(None, 1000)
+    eta.update(0, 1000, 0.0)
+    assert eta.remaining() is None
+    for i, d in enumerate((100, 200, 300, 400), 1):
+        eta.update(d, 1000, i * (1.1 if i % 2 else 0.9))
+    left = eta.remaining()
+    assert left is not None and 4.0 < left < 8.0
+
+
+def test_keys_before_integrates_min_of_position_and_reach():
+    for start, x, reach in ((0, 100, None), (0, 100, 30), (50, 100, 30), (10, 100, 60)):
+        n = 100_000  # midpoint sum of min(p, reach) over p in [start, start + x)
+        want = sum(min(start + (i + 0.5) * x / n, reach or 1e18) for i in range(n)) * x / n
+        assert keys_before(x, start, reach) == pytest.approx(want, rel=1e-6)
+
+
+def test_the_bar_shows_the_time_left_of_its_eta():
+    from types import SimpleNamespace
+
+    from ktlong.chatui import _Eta
+
+    eta = Eta(None, 4000)
+    task = SimpleNamespace(fields={"eta": eta})
+    assert _Eta().render(task).plain == "ETA -:--:--"
+    for d in (0, 1000, 2000, 2500, 3000):
+        eta.update(d, 4000, float(d) / 100)  # 10 ms a token, no keys' share
+    assert _Eta().render(task).plain == "ETA 0:00:10"
+
+
+def test_the_chat_reads_with_the_reach_of_its_settings():
+    from ktlong.config import Settings
+    from ktlong.eta import reach_of
+
+    s = Settings(prefill="WINDOW", prefill_window=6016, init_len=128)
+    assert reach_of(s, None, 30_000) == 6144
+    assert reach_of(Settings(prefill="DENSE"), None, 30_000) is None
+    assert reach_of(Settings(attention="LOCRET", locret_budget=4096, locret_stabilisers=512),
+                    None, 30_000) == 4608
+
+
+def test_bench_eta_holds_the_chats_eta_against_its_read(tmp_path):
+    """`ktlong bench eta` on the demo model: the chat's own read, every shown ETA held against
+    the time that was left."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+    from ktlong.demo import MODEL_DIR
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(open("/usr/share/common-licenses/GPL-3").read().split()[:6000]))
+    r = CliRunner().invoke(app, ["bench", "eta", "-m", str(MODEL_DIR), "-f", str(doc), "-t", "1",
+                                 "--set", "chunk_size=256", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["tokens"] > 5000 and res["read_s"] > 0
+    shares = [row["at"] for row in res["at"]]
+    assert shares == sorted(shares) and shares[0] == 0.10
+    for row in res["at"]:
+        assert row["eta_s"] is not None and row["eta_s"] >= 0 and row["left_s"] > 0
+        assert row["error"] == pytest.approx(row["eta_s"] / row["left_s"] - 1)
+    assert res["worst_error"] >= max(abs(row["error"]) for row in res["at"])
