@@ -825,8 +825,14 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                       help="ktlong's prefill chunk sizes to compare, comma-separated "
                            "(default: the size ktlong prefills with on the CPU).")]
                   = str(CHUNK_AUTO[False]),
+                  peers: Annotated[str, typer.Option(
+                      help="With a GGUF --model: llama.cpp reading the same ids of the same file "
+                           "(sampled as ktlong is, over a synthetic KV), comma-separated: "
+                           "llamacpp-fa, llamacpp-nofa (flash attention on / off); needs the "
+                           "[peers] extra.")] = "",
                   plot: PlotOpt = None, as_json: JsonOpt = False) -> None:
-    """Prefill tok/s, attention time and peak RSS per prefill mode, and against transformers."""
+    """Prefill tok/s, attention time and peak RSS per prefill mode, and against transformers
+    and llama.cpp."""
     plot_file = _plot_file(plot)
     from ktlong.bench import prefill
 
@@ -838,13 +844,28 @@ def bench_prefill(contexts: Annotated[str, typer.Option(
                           hint=f"modes: {', '.join(prefill.MODES)}; shapes: "
                                f"{', '.join(prefill.SHAPES)}")
     chunks = tuple(_lengths(chunk_sizes, "--chunk-sizes"))
+    peer_names = tuple(dict.fromkeys(p.strip() for p in peers.split(",") if p.strip()))
+    if peer_names:
+        bad = [p for p in peer_names if p not in prefill.PEERS]
+        if bad:
+            raise KtlongError(f"--peers {', '.join(bad)}: unknown",
+                              hint=f"choose from {', '.join(prefill.PEERS)}")
+        from ktlong.spec import read_spec
+
+        if model is None or read_spec(model, need_weights=False).format != "gguf":
+            raise KtlongError("--peers reads a GGUF file: give it as --model FILE.gguf")
+        from ktlong.bench.e2e import PEERS_HINT, _llamacpp_available
+
+        if not _llamacpp_available():
+            raise KtlongError("--peers needs llama-cpp-python", hint=PEERS_HINT)
     command = (f"ktlong bench prefill --contexts {contexts} --modes {','.join(names)}"
                f"{f' --model {model}' if model else f' --shape {shape}'}"
                f"{f' --sample-chunks {sample_chunks}' if sample_chunks else ''}"
                f"{'' if transformers else ' --no-transformers'}"
+               f"{' --peers ' + ','.join(peer_names) if peer_names else ''}"
                f"{f' -t {threads}' if threads else ''} --chunk-sizes {chunk_sizes}")
     prefill.main(_lengths(contexts), threads, as_json, model, chunks, names, transformers, shape,
-                 sample_chunks, command, plot_file)
+                 sample_chunks, command, plot_file, peer_names)
 
 
 @bench_app.command("accuracy")

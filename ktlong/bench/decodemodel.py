@@ -190,12 +190,10 @@ def prose_worker(model: str, kv_type: str, context: int, steps: int, runs: int, 
 def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: int,
                     threads: int) -> dict[str, Any]:
     """llama.cpp's decode over a synthetic KV of `context` tokens, measured as `worker` does."""
-    import ctypes
-
     import llama_cpp
 
+    from ktlong.bench import llamastate
     from ktlong.bench.e2e import LLAMACPP_KV
-    from ktlong.bench.llamastate import row_bytes, seq_state
     from ktlong.spec import read_spec
 
     flash, ggml_type = LLAMACPP_KV[runtime]
@@ -206,15 +204,9 @@ def llamacpp_worker(model: str, runtime: str, context: int, steps: int, runs: in
         n_threads=threads, n_threads_batch=threads, flash_attn=flash,
         type_k=ggml_type, type_v=ggml_type, n_gpu_layers=0, verbose=False)
     t0 = time.perf_counter()
-    swa = len(spec.sliding_layers)  # llama.cpp keeps the sliding layers' window apart
-    full, kv_dim = spec.n_layers - swa, spec.n_kv_heads * spec.head_dim
-    state = seq_state(context, full, kv_dim, ggml_type, v_trans=not flash, swa_layers=swa,
-                      swa_window=spec.sliding_window or 0)
-    ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-    if llama_cpp.llama_state_seq_set_data(llm.ctx, ptr, state.size, 0) != state.size:
-        raise RuntimeError("llama.cpp refused the synthetic KV state (its layout changed?)")
-    kv_bytes = 2 * spec.n_layers * context * row_bytes(ggml_type, kv_dim)  # it allocates all
-    del state, ptr
+    llamastate.load(llm, spec, context, flash, ggml_type)
+    kv_dim = spec.n_kv_heads * spec.head_dim
+    kv_bytes = 2 * spec.n_layers * context * llamastate.row_bytes(ggml_type, kv_dim)  # all of it
     fill_s = time.perf_counter() - t0
     prefix = [1] * context  # what llama-cpp-python believes its cache holds: a prefix match
     llm.input_ids[:context] = prefix

@@ -20,6 +20,8 @@ layout fails loudly (set_data returns 0) rather than decoding garbage.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 MAGIC = 0xAF143CD8
@@ -112,3 +114,20 @@ def _write_cache(out: np.ndarray, off: int, first: int, end: int, n_layers: int,
             out[off:off + n * rb] = _random_rows(rng, n, kv_dim, ggml_type).ravel()
             off += n * rb
     return off
+
+
+def load(llm: Any, spec: Any, n_tokens: int, flash: bool, ggml_type: int, seed: int = 0) -> None:
+    """Load `n_tokens` random tokens at positions 0..n-1 into sequence 0 of a llama-cpp-python
+    `Llama` whose context has flash attention `flash` and K, V in `ggml_type`; `spec`: its
+    model's ktlong.spec (layers, KV width, sliding layers)."""
+    import ctypes
+
+    import llama_cpp
+
+    swa = len(spec.sliding_layers)  # llama.cpp keeps the sliding layers' window apart
+    full, kv_dim = spec.n_layers - swa, spec.n_kv_heads * spec.head_dim
+    state = seq_state(n_tokens, full, kv_dim, ggml_type, seed=seed, v_trans=not flash,
+                      swa_layers=swa, swa_window=spec.sliding_window or 0)
+    ptr = state.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    if llama_cpp.llama_state_seq_set_data(llm.ctx, ptr, state.size, 0) != state.size:
+        raise RuntimeError("llama.cpp refused the synthetic KV state (its layout changed?)")

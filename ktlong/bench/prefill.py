@@ -17,6 +17,13 @@ minference), so the midpoint rule estimates a linear cost exactly. Random K, V h
 for Vertical-Slash to follow: its diagonals scatter, each read as a lone diagonal (a real model's
 diagonals gather near the query, where they are read as ranges).
 
+`--peers llamacpp-fa,llamacpp-nofa` (a GGUF `--model`): llama.cpp (llama-cpp-python, flash
+attention on or off, F16 KV, n_batch and n_ubatch 512) reads the same ids of the same file in a
+child process with the peers' environment. Sampled, it is timed on the same chunks: for each, a
+synthetic KV state of random tokens up to the chunk's start (ktlong.bench.llamastate) is loaded
+with `llama_state_seq_set_data`, then the chunk's tokens are decoded at their positions (two
+batches of 512 for a chunk of 1,024), and the times are scaled as ktlong's are.
+
 Against the arithmetic limit: the machine's peak of each dot-product instruction ktlong's prefill
 matmuls can run on (AVX512-VNNI `vpdpbusd`, AMX `tdpbusd` and `tdpbf16ps`, AVX2 `vpmaddubsw`;
 kernels/qmatmul.py's `peak`, every thread on registers or tiles alone) is measured once per run;
@@ -39,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ktlong.bench import peer_env
 from ktlong.bench.rss import peak_rss
 from ktlong.config import CHUNK_AUTO
 
@@ -49,6 +57,20 @@ SHAPES = {
 }
 BENCH_SHAPE = SHAPES["small"]
 MODES = ("dense", "window", "minference")
+PEERS = ("llamacpp-fa", "llamacpp-nofa")  # llama.cpp, flash attention on / off, F16 KV
+PEER_BATCH = 512  # llama.cpp's n_batch and n_ubatch (the e2e comparisons')
+
+
+def sample_points(n: int, chunk: int, sample: int) -> list[int]:
+    """The chunks a sampled run times (their indices): the middle one of each of `sample` equal
+    spans of the context's chunks."""
+    n_chunks = -(-n // chunk)
+    return [int((i + 0.5) * n_chunks / sample) for i in range(sample)]
+
+
+def scale(chunk_s: list[float], n: int, chunk: int) -> float:
+    """A sampled run's estimate of the whole read: the timed chunks' mean x the chunks."""
+    return sum(chunk_s) / len(chunk_s) * -(-n // chunk)
 
 
 def _warm(kv_kind: int) -> None:
@@ -89,7 +111,8 @@ def _fill_random(sess: Any, upto: int, seed: int) -> None:
 
 def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: int
             ) -> dict[str, Any]:
-
+    if runtime in PEERS:
+        return _llamacpp(runtime, model, n, threads, chunk, sample)
     import torch
 
     from ktlong.model import load_model
@@ -135,19 +158,19 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
             attn = sess.router.attn_s
             index = tally()
         else:
-            n_chunks = -(-n // chunk)
-            picks = [int((i + 0.5) * n_chunks / sample) for i in range(sample)]
-            dt = 0.0
+            picks, chunk_s = sample_points(n, chunk, sample), []
             for c in picks:
                 _fill_random(sess, c * chunk, seed=c)
                 sess.tokens = list(ids[: c * chunk])  # the random K, V stand for these
                 t0 = work_clock()
                 sess.prefill(ids[c * chunk: (c + 1) * chunk])
-                dt += work_clock() - t0
+                chunk_s.append(work_clock() - t0)
                 attn += sess.router.attn_s
                 index += tally()
-            f = n_chunks / sample
-            dt, attn, index = dt * f, attn * f, index * f
+            dt = scale(chunk_s, n, chunk)
+            f = dt / sum(chunk_s)
+            attn, index = attn * f, index * f
+            row.update(sampled_at=[c * chunk for c in picks], chunk_s=chunk_s)
         row.update(prefill=mode.lower(), attention_s=attn, index_s=index,
                    keys_read=(pairs[0] + pairs[1]) / pairs[2] if pairs[2] else None,
                    lone_read=pairs[1] / pairs[2] if pairs[2] else None)
@@ -161,6 +184,52 @@ def _worker(runtime: str, model: str, n: int, threads: int, chunk: int, sample: 
         dt = time.perf_counter() - t0
         row.update(prefill="dense", attention_s=None, index_s=None, keys_read=None,
                    lone_read=None)
+    row.update(prefill_s=dt, prefill_tok_s=n / dt, peak_rss_bytes=peak_rss())
+    return row
+
+
+def _llamacpp(runtime: str, model: str, n: int, threads: int, chunk: int, sample: int
+              ) -> dict[str, Any]:
+    """llama.cpp's prefill of the ids `_worker` reads: whole from an empty cache, or the
+    sampled chunks, each over a synthetic KV state of random tokens up to its start."""
+    import llama_cpp
+
+    from ktlong.bench import llamastate
+    from ktlong.bench.e2e import LLAMACPP_KV
+    from ktlong.model import load_tokenizer
+    from ktlong.spec import read_spec
+    from ktlong.tinymodel import filler_text
+
+    flash, ggml_type = LLAMACPP_KV[runtime]
+    ids = load_tokenizer(model)(filler_text(n, seed=0))["input_ids"][:n]
+    assert len(ids) == n, "filler text too short"
+    picks = sample_points(n, chunk, sample) if sample else []
+    end = min(n, (picks[-1] + 1) * chunk) if picks else n  # the last token read
+    llm = llama_cpp.Llama(
+        model_path=model, n_ctx=end, n_batch=PEER_BATCH, n_ubatch=PEER_BATCH,
+        n_threads=threads, n_threads_batch=threads, flash_attn=flash, type_k=ggml_type,
+        type_v=ggml_type, n_gpu_layers=0, verbose=False)
+    llm.eval(ids[:64])  # not timed: the weights paged in, the threads started
+    spec = read_spec(model)
+    row: dict[str, Any] = {"runtime": runtime, "context": n, "chunk_size": chunk,
+                           "sampled_chunks": sample, "batch": PEER_BATCH, "prefill": "dense",
+                           "attention_s": None, "index_s": None, "keys_read": None,
+                           "lone_read": None}
+    chunk_s = []
+    for p, q in [(c * chunk, min(n, (c + 1) * chunk)) for c in picks] or [(0, n)]:
+        llm._ctx.kv_cache_clear()
+        llm.n_tokens = 0
+        if p:
+            llamastate.load(llm, spec, p, flash, ggml_type, seed=p // chunk)
+            llm.n_tokens = p  # what llama-cpp-python then believes the cache holds
+        t0 = time.perf_counter()
+        llm.eval(ids[p:q])  # at positions p..q-1, in batches of PEER_BATCH
+        chunk_s.append(time.perf_counter() - t0)
+    mem = llama_cpp.llama_get_memory(llm.ctx)  # the cache after the last chunk: p + its tokens
+    row["cache_end"] = llama_cpp.llama_memory_seq_pos_max(mem, 0) + 1
+    dt = scale(chunk_s, n, chunk) if sample else chunk_s[0]
+    if sample:
+        row.update(sampled_at=[c * chunk for c in picks], chunk_s=chunk_s)
     row.update(prefill_s=dt, prefill_tok_s=n / dt, peak_rss_bytes=peak_rss())
     return row
 
@@ -209,7 +278,7 @@ def against_limit(row: dict[str, Any], peak: dict[str, float]) -> None:
 def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = None,
          chunk_sizes: tuple[int, ...] = (CHUNK_AUTO[False],), modes: tuple[str, ...] = ("dense",),
          transformers: bool = True, shape: str = "small", sample: int = 0,
-         command: str = "", plot_file: Path | None = None) -> None:
+         command: str = "", plot_file: Path | None = None, peers: tuple[str, ...] = ()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -229,12 +298,14 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
                            max_positions=max(2 * max(contexts), 1 << 17), **dims)
     runs = [(f"ktlong-{m}", c) for m in modes for c in chunk_sizes]
     runs += [("transformers", 0)] if transformers else []
+    runs += [(p, chunk_sizes[0]) for p in peers]  # sampled on ktlong's (first) chunks
     rows = []
     for n in contexts:
         for runtime, chunk in runs:
             args = [sys.executable, "-m", "ktlong.bench.prefill", runtime, str(model), str(n),
                     str(threads), str(chunk), str(sample if runtime != "transformers" else 0)]
-            out = subprocess.run(args, capture_output=True, text=True)
+            out = subprocess.run(args, capture_output=True, text=True,
+                                 env=peer_env() if runtime in PEERS else None)
             if out.returncode != 0:
                 lines = out.stderr.strip().splitlines() or ["(no output)"]
                 raise RuntimeError(f"{runtime} at {n}: {lines[-1]}")
@@ -251,6 +322,9 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
         base = [b for b in rows if b["context"] == r["context"] and b["runtime"] == "ktlong-dense"
                 and b["chunk_size"] == r["chunk_size"]]
         r["vs_dense"] = r["prefill_tok_s"] / base[0]["prefill_tok_s"] if base else None
+        if r["runtime"].startswith("ktlong"):  # speed over each peer's at the same context
+            r["vs_peers"] = {b["runtime"]: r["prefill_tok_s"] / b["prefill_tok_s"] for b in rows
+                             if b["runtime"] in PEERS and b["context"] == r["context"]}
     label = f"model {model}" if tmp is None else f"random Llama {dims}"
     data = {"bench": "prefill", "command": command, "machine": plotting.machine(),
             "threads": threads, "model": dims if tmp is not None else str(model),
@@ -288,7 +362,11 @@ def main(contexts: list[int], threads: int, as_json: bool, model: Path | None = 
             "" if r.get("projected_128k_s") is None else f"{r['projected_128k_s']:,.0f}",
             f"{r['peak_rss_bytes'] / 1e9:.2f}",
         )
-    Console(width=max(Console().width, 110)).print(table)
+    console = Console(width=max(Console().width, 110))
+    console.print(table)
+    for r in rows:
+        for peer, x in r.get("vs_peers", {}).items():
+            console.print(f"{r['context']:,} tokens: {r['runtime']} reads at {x:.2f}x {peer}")
 
 
 def plot(data: dict[str, Any], path: Path | str) -> Any:
@@ -300,15 +378,15 @@ def plot(data: dict[str, Any], path: Path | str) -> Any:
     several = len({r["chunk_size"] for r in rows if r["runtime"] != "transformers"}) > 1
     by: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        name = r["runtime"].removeprefix("ktlong-")
-        if r["runtime"] != "transformers":
-            name = f"ktlong {name}" + (f" (chunk {r['chunk_size']})" if several else "")
+        name = r["runtime"]
+        if name.startswith("ktlong-"):
+            name = f"ktlong {name[7:]}" + (f" (chunk {r['chunk_size']})" if several else "")
         by.setdefault(name, []).append((r["context"], r["prefill_tok_s"]))
     fig, axes = plotting.figure()
     ax = axes[0][0]
     for name, pts in by.items():
         xs, ys = zip(*sorted(pts), strict=True)
-        ax.plot(xs, ys, "s--" if name == "transformers" else "o-", label=name)
+        ax.plot(xs, ys, "o-" if name.startswith("ktlong") else "s--", label=name)
     plotting.context_axis(ax, [r["context"] for r in rows])
     ax.set_ylabel("prefill tok/s")
     ax.set_ylim(bottom=0)
