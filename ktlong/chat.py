@@ -224,9 +224,9 @@ class ChatLoop:
 
     def _eta(self, end: int) -> Any:
         """The progress bar's clock for a read that ends at position `end`."""
-        from ktlong.eta import Eta, reach_of
+        from ktlong.eta import Eta, keys_curve
 
-        return Eta(reach_of(self.settings, self.lm.spec, end), end)
+        return Eta(keys_curve(self.settings, self.lm.spec, end), end)
 
     def _recalled(self, question: str) -> str:
         """LOCRET, a document longer than what was kept: the passages of it that hold the

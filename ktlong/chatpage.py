@@ -35,7 +35,7 @@ from urllib.parse import parse_qs
 
 from ktlong.documents import MAX_BYTES
 from ktlong.errors import KtlongError
-from ktlong.eta import Eta, reach_of
+from ktlong.eta import Eta, keys_curve
 from ktlong.serving import Job, Prompt, Renderer, prompt_rows
 
 COOKIE = "ktlong_key"
@@ -204,7 +204,7 @@ async def _read_events(server: Any, doc: Upload) -> AsyncIterator[str]:
     events: asyncio.Queue = asyncio.Queue()
     job = Job(doc.read, None, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
     eng = server.engine
-    eta = Eta(reach_of(eng.settings, eng.lm.spec, doc.tokens), doc.tokens)
+    eta = Eta(keys_curve(eng.settings, eng.lm.spec, doc.tokens), doc.tokens)
     t0 = time.monotonic()
     server.engine.submit(job)
     try:

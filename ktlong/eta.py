@@ -1,11 +1,12 @@
 """The time left to read a prompt, from how its chunks have gone so far.
 
 A prompt token costs a fixed part (projections, MLP, norms) and a part that grows with the keys
-its attention reads: every earlier token, or at most `reach` of them under a windowed prefill
-(`config.window_reads`). So the time to read tokens [0, x) of a prompt that starts at position
-`start` is close to
+its attention reads at its position p, keys(p): every earlier token (p), at most `reach` of them
+under a windowed prefill (`config.window_reads`), or, read through MInference's patterns past
+their dense start, the patterns' columns and diagonals and the last queries' estimate over all p
+keys. So the time to read tokens [0, x) of a prompt that starts at position `start` is close to
 
-    T(x) = a x + b K(x),   K(x) = sum over p in [start, start + x) of min(p, reach)
+    T(x) = a x + b K(x),   K(x) = sum over p in [start, start + x) of keys(p)
 
 `Eta` fits a and b (least squares, no intercept) to the (seconds, tokens done) points the
 progress callback gives and answers T(total) - T(done). A rate taken over the last seconds
@@ -21,43 +22,57 @@ from typing import Any
 MIN_POINTS = 3  # points (after the first) before a fit is trusted
 SKIP_SHARE = 0.02  # the first 2% of a read: kernels loaded, pages touched; not fitted
 
+# keys(p) = c0 + c1 p from position p0 on, up to the next piece's p0: ((p0, c0, c1), ...)
+Curve = tuple[tuple[float, float, float], ...]
+EVERY = ((0.0, 0.0, 1.0),)  # every earlier token
 
-def reach_of(settings: Any, spec: Any, end: int) -> int | None:
-    """Keys a prompt token reads at most in a read that ends at position `end`: init_len +
-    prefill_window under a window (or AUTO past the length it reads through patterns), None when
-    every earlier token."""
+
+def capped(reach: int) -> Curve:
+    """Every earlier token up to `reach`, then `reach`."""
+    return ((0.0, 0.0, 1.0), (float(reach), float(reach), 0.0))
+
+
+def keys_curve(settings: Any, spec: Any, end: int) -> Curve:
+    """keys(p) of a read that ends at position `end` under `settings` (see the module)."""
     from ktlong.config import window_reads
 
-    if settings.attention == "LOCRET":  # the store keeps at most this many
-        return settings.locret_budget + settings.locret_stabilisers
-    reach = window_reads(settings)
-    if not reach:
-        return None
-    if settings.prefill == "AUTO":
+    s = settings
+    if s.attention == "LOCRET":  # the store keeps at most this many
+        return capped(s.locret_budget + s.locret_stabilisers)
+    reach = window_reads(s)
+    patterns = s.prefill == "MINFERENCE"
+    if s.prefill == "AUTO":
         from ktlong.minference import auto_reach
 
-        if end <= auto_reach(spec, settings):
-            return None  # read through the patterns: a cost that grows with the context
-    return reach
+        patterns = end <= auto_reach(spec, s)
+    if patterns:
+        from ktlong.fit import prefill_chunk
+        from ktlong.minference import DENSE_BELOW, LAST_Q
+
+        chunk = prefill_chunk(s, spec, False)
+        lines = float(s.prefill_vertical + s.prefill_slash)
+        return ((0.0, 0.0, 1.0), (float(DENSE_BELOW), lines, LAST_Q / chunk))
+    return capped(reach) if reach else EVERY
 
 
-def keys_before(x: float, start: int, reach: int | None) -> float:
-    """K(x): the keys tokens [start, start + x) read in all (each min(position, reach))."""
-    a, b = float(start), float(start + x)
-    if reach is None or b <= reach:
-        return (b * b - a * a) / 2
-    if a >= reach:
-        return reach * (b - a)
-    return (reach * reach - a * a) / 2 + reach * (b - reach)
+def keys_before(x: float, start: int, curve: Curve) -> float:
+    """K(x): the keys tokens [start, start + x) read in all (keys(p) integrated over them)."""
+    a, b, total = float(start), float(start + x), 0.0
+    for i, (p0, c0, c1) in enumerate(curve):
+        p1 = curve[i + 1][0] if i + 1 < len(curve) else math.inf
+        lo, hi = max(a, p0), min(b, p1)
+        if hi > lo:
+            total += c0 * (hi - lo) + c1 * (hi * hi - lo * lo) / 2
+    return total
 
 
 class Eta:
     """Seconds left in a read that ends at position `end` (None: starts at 0), of `total`
     tokens as the progress callback tells (see the module)."""
 
-    def __init__(self, reach: int | None = None, end: int | None = None,
+    def __init__(self, curve: Curve = EVERY, end: int | None = None,
                  clock: Any = time.monotonic) -> None:
-        self.reach, self.end, self.clock = reach, end, clock
+        self.curve, self.end, self.clock = curve, end, clock
         self.start = 0
         self.t0: float | None = None
         self.total = 0
@@ -77,7 +92,7 @@ class Eta:
         self.points.append((now - self.t0, done - self.x0, self._keys(done) - self._keys(self.x0)))
 
     def _keys(self, x: float) -> float:
-        return keys_before(x, self.start, self.reach)
+        return keys_before(x, self.start, self.curve)
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b): seconds a token, seconds a key read; None before MIN_POINTS points."""
