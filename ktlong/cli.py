@@ -1127,6 +1127,27 @@ def bench_faults(model: ModelOpt = None,
     faults.main(str(model), prompt_file, points, max_tokens, threads, as_json, command)
 
 
+@bench_app.command("qgemm")
+def bench_qgemm(paths: Annotated[str | None, typer.Option(
+                    help="Tile products, comma-separated: amx, avx512-vnni, avx-vnni, avx2 "
+                         "(default: all this CPU has).")] = None,
+                cpu: Annotated[str | None, typer.Option(
+                    help="avx2 or avx-vnni: run as on a CPU without AVX-512 (AVX2 code on "
+                         "this CPU).")] = None,
+                threads: Annotated[str, typer.Option(
+                    "--threads", "-t", help="Thread counts for the whole matrix.")] = "1,2",
+                torch_too: Annotated[bool, typer.Option(
+                    "--torch", help="Also torch float32 and QuantLinear (FP32, INT8).")]
+                = False) -> None:
+    """The int8 prefill GEMM per tile product (one tile, a 14336 x 4096 Q4_K matrix x 1,024
+    tokens) in GOP/s, beside torch float32."""
+    from ktlong.bench import qgemm
+
+    argv = ["--threads", threads] + (["--paths", paths] if paths else []) \
+        + (["--cpu", cpu] if cpu else []) + (["--torch"] if torch_too else [])
+    qgemm.main(argv)
+
+
 @bench_app.command("eta")
 def bench_eta(model: ModelOpt = None,
               prompt_file: Annotated[str, typer.Option(

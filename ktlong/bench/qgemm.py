@@ -1,5 +1,5 @@
 """The int8 prefill GEMM's speed per tile product (kernels/qmatmul.py), beside torch's float32:
-`python -m ktlong.bench.qgemm [--paths avx2,amx] [--cpu avx2|avx-vnni] [--threads 1,2]`.
+`ktlong bench qgemm [--paths avx2,amx] [--cpu avx2|avx-vnni] [--threads 1,2]`.
 
 - tile: one tile product alone, 16 tokens x 16 weight rows over 4,096 channels (in L1), one
   thread, a 4-bit type's codes;
@@ -95,7 +95,7 @@ def tile_gops(path: str, k: int = 4096, n: int = 2000) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m ktlong.bench.qgemm", description=__doc__.split(
+    ap = argparse.ArgumentParser(prog="ktlong bench qgemm", description=__doc__.split(
         "\n")[0])
     ap.add_argument("--paths", help="tile products, comma-separated (default: all this CPU has)")
     ap.add_argument("--cpu", choices=sorted(NARROW), help="run as on a CPU without AVX-512")
