@@ -119,4 +119,5 @@ def test_bench_eta_holds_the_chats_eta_against_its_read(tmp_path):
     for row in res["at"]:
         assert row["eta_s"] is not None and row["eta_s"] >= 0 and row["left_s"] > 0
         assert row["error"] == pytest.approx(row["eta_s"] / row["left_s"] - 1)
-    assert res["worst_error"] >= max(abs(row["error"]) for row in res["at"])
+    assert res["worst_error"] >= max(abs(row["error"]) for row in res["at"] if row["at"] < 0.9)
+    assert len(res["points"]) > 10
