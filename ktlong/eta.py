@@ -22,6 +22,10 @@ from typing import Any
 MIN_POINTS = 3  # points (after the first) before a fit is trusted
 SKIP_SHARE = 0.02  # the first 2% of a read: kernels loaded, pages touched; not fitted
 
+# what a key read through MInference's patterns costs against one read densely (Gemma 3 270M at
+# 30K, 2 threads, `ktlong bench eta`: per-token costs along the read): a column or diagonal key
+# (lone diagonals, the index built per chunk), and a key the last queries' estimate reads
+LINE_KEY, ESTIMATE_KEY = 2.2, 3.5
 # keys(p) = c0 + c1 p from position p0 on, up to the next piece's p0: ((p0, c0, c1), ...)
 Curve = tuple[tuple[float, float, float], ...]
 EVERY = ((0.0, 0.0, 1.0),)  # every earlier token
@@ -50,8 +54,8 @@ def keys_curve(settings: Any, spec: Any, end: int) -> Curve:
         from ktlong.minference import DENSE_BELOW, LAST_Q
 
         chunk = prefill_chunk(s, spec, False)
-        lines = float(s.prefill_vertical + s.prefill_slash)
-        return ((0.0, 0.0, 1.0), (float(DENSE_BELOW), lines, LAST_Q / chunk))
+        lines = LINE_KEY * (s.prefill_vertical + s.prefill_slash)
+        return ((0.0, 0.0, 1.0), (float(DENSE_BELOW), lines, ESTIMATE_KEY * LAST_Q / chunk))
     return capped(reach) if reach else EVERY
 
 

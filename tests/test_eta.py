@@ -93,7 +93,7 @@ def test_the_chat_reads_with_the_keys_of_its_settings():
     assert keys_curve(locret, spec, 30_000) == capped(4608)
     auto = Settings(prefill="AUTO", prefill_window=6016, init_len=128)
     inside, past = keys_curve(auto, spec, 30_000), keys_curve(auto, spec, 60_000)
-    assert inside[1][1] == auto.prefill_vertical + auto.prefill_slash  # through the patterns
+    assert inside[1][1] > auto.prefill_vertical + auto.prefill_slash  # through the patterns
     assert past == capped(6144)  # past the trained length: the window
 
 
