@@ -8,8 +8,9 @@ keys. So the time to read tokens [0, x) of a prompt that starts at position `sta
 
     T(x) = a x + b K(x),   K(x) = sum over p in [start, start + x) of keys(p)
 
-`Eta` fits a and b (least squares, no intercept) to the (seconds, tokens done) points the
-progress callback gives and answers T(total) - T(done). A rate taken over the last seconds
+`Eta` fits a and b to the steps between the (seconds, tokens done) points the progress callback
+gives (least squares, a step that took far longer than the rest set aside) and answers
+T(total) - T(done). A rate taken over the last seconds
 (rich's own ETA) is wrong in both directions: too short while the early tokens read few keys,
 and too short all through an exact prefill, whose tokens keep getting dearer.
 """
@@ -19,7 +20,10 @@ import math
 import time
 from typing import Any
 
-MIN_POINTS = 3  # points (after the first) before a fit is trusted
+import numpy as np
+
+STEP_TOKENS = 1024  # the CPU's prefill chunk (chunk_size 0)
+MIN_STEPS = 3  # steps before a fit is trusted
 SKIP_SHARE = 0.02  # the first 2% of a read: kernels loaded, pages touched; not fitted
 
 # what a key read through MInference's patterns costs against one read densely (Gemma 3 270M at
@@ -99,20 +103,31 @@ class Eta:
         return keys_before(x, self.start, self.curve)
 
     def fit(self) -> tuple[float, float] | None:
-        """(a, b): seconds a token, seconds a key read; None before MIN_POINTS points."""
-        if len(self.points) < MIN_POINTS:
+        """(a, b): seconds a token, seconds a key read; None before MIN_STEPS steps.
+
+        Fitted to steps of at least STEP_TOKENS tokens (a 16th of a shorter read): the progress
+        moves a layer at a time and layers cost unlike amounts (Gemma 3's global ones read the
+        whole context), while a chunk's worth holds every layer once. Seconds ~ a tokens + b
+        keys, least squares; then again without the steps whose cost a token lies far from the
+        rest (more than 4 median deviations): a delay that came once (a kernel loaded, pages
+        read in, another job for a moment) is one such step, and says nothing of the tokens to
+        come."""
+        cum = np.asarray([(0.0, 0.0, 0.0)] + self.points)  # [n, 3]: seconds, tokens, keys
+        ends, last, step = [0], 0.0, min(STEP_TOKENS, max(1, self.total // 16))
+        for i in range(1, len(cum)):  # steps of a chunk or more: every layer once in each
+            if cum[i, 1] - last >= step:
+                ends.append(i)
+                last = cum[i, 1]
+        if len(ends) <= MIN_STEPS:  # (ends holds the start too)
             return None
-        sxx = sxk = skk = sxt = skt = 0.0
-        for t, x, k in self.points:
-            sxx, sxk, skk = sxx + x * x, sxk + x * k, skk + k * k
-            sxt, skt = sxt + x * t, skt + k * t
-        det = sxx * skk - sxk * sxk
-        if det > 1e-12 * sxx * skk:
-            a, b = (sxt * skk - skt * sxk) / det, (skt * sxx - sxt * sxk) / det
-            if a >= 0 and b >= 0:
-                return a, b
-        # one term only: the keys' share cannot be told apart yet, or came out negative
-        return max(0.0, sxt / sxx), 0.0
+        pts = np.diff(cum[ends], axis=0)  # [steps, 3]: dt, dx, dk
+        keep = np.ones(len(pts), bool)
+        for _ in range(2):
+            ab = _nonneg_lstsq(pts[keep, 1:], pts[keep, 0])
+            per_token = (pts[:, 0] - pts[:, 1:] @ ab) / pts[:, 1]  # [n] residual a token
+            dev = np.abs(per_token - np.median(per_token))
+            keep = dev <= 4 * np.median(dev) + 1e-12
+        return float(ab[0]), float(ab[1])
 
     def remaining(self) -> float | None:
         """Seconds left, or None while too little is known."""
@@ -123,3 +138,19 @@ class Eta:
         x = self.points[-1][1] + self.x0
         left = a * (self.total - x) + b * (self._keys(self.total) - self._keys(x))
         return max(0.0, left) if math.isfinite(left) else None
+
+
+def _nonneg_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """[a, b] >= 0 minimising |x [a, b] - t| (x [n, 2]): both, else the better of one alone."""
+    ab = np.linalg.lstsq(x, t, rcond=None)[0]
+    if (ab >= 0).all():
+        return ab
+    best = np.zeros(2)
+    for j in range(2):
+        nn = float(x[:, j] @ x[:, j])
+        c = max(0.0, float(x[:, j] @ t) / nn) if nn > 0 else 0.0
+        cand = np.zeros(2)
+        cand[j] = c
+        if np.sum((x @ cand - t) ** 2) < np.sum((x @ best - t) ** 2) or not best.any():
+            best = cand
+    return best

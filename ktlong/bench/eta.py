@@ -4,9 +4,10 @@ The chat's own ChatLoop reads the document (no prompt cache) under the command's
 progress bar as in `ktlong chat`; at every update the bench notes the time, the tokens done and
 the ETA the bar shows (ktlong.eta). When the read is over, each shown ETA is held against the
 time that was really left, and so is the ETA a rate over the last 30 s would have shown (rich's
-own, the bar's ETA before ktlong.eta). Reported: the error at 10, 25, 50, 75 and 90% of the read
-and the worst error between 10% and 90% (in the last tenth a second's error is a large share of
-what is left); --json keeps every point.
+own, the bar's ETA before ktlong.eta). Reported: the error at 10, 25, 50, 75 and 90% of the read,
+the worst error between 10% and 90% (in the last tenth a second's error is a large share of
+what is left) and where the first ETA showed (the bar shows none until three chunks are read);
+--json keeps every point.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def evaluate(points: list[tuple[float, int, float | None]], total: int) -> dict[
         rate = _rate_eta(points, i, total)
         err = None if shown is None else shown / left - 1
         err_rate = None if rate is None else rate / left - 1
-        if done <= SHARES[-1] * total:
-            worst = max(worst, abs(err)) if err is not None else float("inf")
+        if done <= SHARES[-1] * total:  # (no ETA yet: the bar shows none, nothing to be off)
+            worst = max(worst, abs(err)) if err is not None else worst
             worst_rate = max(worst_rate, abs(err_rate)) if err_rate is not None else worst_rate
         rows.append({"share": done / total, "seconds": t, "left_s": left, "eta_s": shown,
                      "rate_eta_s": rate, "error": err, "rate_error": err_rate})
@@ -51,7 +52,8 @@ def evaluate(points: list[tuple[float, int, float | None]], total: int) -> dict[
         r = next((r for r in rows if r["share"] >= share), None)
         if r is not None:
             at.append({**r, "at": share})
-    return {"read_s": end, "tokens": total, "worst_error": worst,
+    first = next((done / total for _, done, shown in points if shown is not None), None)
+    return {"read_s": end, "tokens": total, "first_eta_at": first, "worst_error": worst,
             "worst_rate_error": worst_rate, "at": at,
             "points": [[round(t, 3), done, None if e is None else round(e, 3)]
                        for t, done, e in points]}
@@ -107,5 +109,8 @@ def main(model: Path, prompt_file: str, settings: Any, as_json: bool, command: s
         tab.add_row(f"{r['at']:.0%}", sec(r["left_s"]), sec(r["eta_s"]), pct(r["error"]),
                     sec(r["rate_eta_s"]), pct(r["rate_error"]))
     out.print(tab)
+    first = res["first_eta_at"]
+    out.print(f"first ETA shown at {first:.0%} of the read" if first is not None
+              else "no ETA shown")
     out.print(f"worst error from 10% to 90%: shown {res['worst_error']:.0%}, "
               f"30 s rate {res['worst_rate_error']:.0%}")
