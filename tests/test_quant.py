@@ -97,6 +97,61 @@ def test_qgemv_equals_the_reference_on_random_blocks(qtype, k):
     assert np.abs(fast - wd @ x).max() <= 0.02 * np.abs(wd @ x).max()
 
 
+# the decode GEMV as a CPU without AVX-512 runs it (ktlong.bench.qgemm.narrow_prelude: Numba
+# compiles for haswell and the kernels see W = 8): AVX2's int8 path, or the float path
+_AVX2_CHILD = """
+import json, sys
+import numpy as np
+from ktlong import kernels
+from ktlong.kernels import _vec, qlinear as qk
+from tests.test_quant import random_blocks
+got = {}
+for name, ggml in json.loads(sys.argv[1]).items():
+    x = np.random.default_rng(ggml).standard_normal(512).astype(np.float32)
+    got[name] = [kernels.qgemv(random_blocks(name, 37, 512, seed=ggml), ggml, x).tolist(),
+                 bool(qk.int8_path(ggml, 512))]
+print(json.dumps({"W": _vec.W, "got": got}))
+"""
+
+
+def test_qgemv_on_a_cpu_without_avx512():
+    """Every type's decode GEMV compiled and run as on an AVX2-only CPU: W x rounded to int8
+    where it takes the int8 path (vpmaddubsw), W x in float32 where it does not."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ktlong.kernels import qmatmul
+
+    from ktlong.bench.qgemm import narrow_prelude
+
+    if not qmatmul.HAVE_PATH["avx2"]:
+        pytest.skip("this CPU runs no AVX2 code")
+    types_ = {name: quant.TYPES[name].ggml for name in QTYPES}
+    out = subprocess.run([sys.executable, "-c", narrow_prelude("avx2") + _AVX2_CHILD,
+                          json.dumps(types_)], capture_output=True, text=True, timeout=900,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["W"] == 8
+    int8 = 0
+    for name, ggml in types_.items():
+        got, on_int8 = np.asarray(res["got"][name][0]), res["got"][name][1]
+        x = np.random.default_rng(ggml).standard_normal(512).astype(np.float32)
+        wd = quant.dequantize_ref(random_blocks(name, 37, 512, seed=ggml), name, 512)
+        wd = wd.astype(np.float64)
+        if on_int8:
+            int8 += 1
+            group = 256 if quant.TYPES[name].block == 256 else 32
+            codes, dx, _, _ = qk._quantise_x(x, group)
+            x = codes.astype(np.float64) * np.repeat(dx, group)
+        want = wd @ x
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=name)
+    assert int8 >= 4  # Q8_0, Q4_0, Q4_1, Q4_K, Q6_K take AVX2's int8 path
+
+
 def _int8_reference(raw: np.ndarray, qtype: str, x: np.ndarray) -> np.ndarray:
     """W times x rounded to int8 as the int8 paths round it (per 32 channels, 256 for K-quants),
     in float64."""
