@@ -221,88 +221,82 @@ def _item(w, qtype, b0, b1, k, nsub, signed):
 
 # The GEMM, one function a family of tile products (each compiles only where the CPU has its
 # instructions): w [N, row_bytes] u8; codes [M16, K + PAD] i8; dxs, sv [M16, K/g] f32 ->
-# out [M16, N16] f32. Work items of BLOCKS weight blocks go to the threads; each token tile's
+# out [M16, N16] f32. Work items of BLOCKS weight blocks go to the threads; each product's
 # addresses are taken inside the loop (Numba frees an array after its last use)
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_args(codes, dxs, sv, wb, s, z, out, t, b, b0, nsub):
+    """A tile product's arguments: token tile t against weight block b of the item that starts
+    at block b0 (wb, s, z from `_item`)."""
+    xs, n16, i = codes.shape[1], out.shape[1], b - b0
+    k = xs - PAD
+    return (codes.ctypes.data + 16 * t * xs, xs, dxs.ctypes.data + 64 * t * nsub,
+            sv.ctypes.data + 64 * t * nsub, wb.ctypes.data + i * 16 * k,  # 16 rows x k codes
+            s.ctypes.data + i * 64 * nsub, z.ctypes.data + i * 64 * nsub, nsub,
+            out.ctypes.data + 4 * (16 * t * n16 + 16 * b), 4 * n16)
+
 
 @njit(parallel=True, nogil=True, cache=True)
 def _qgemm(w, qtype, codes, dxs, sv, out, g, amx):
     # AMX (`amx`) or AVX512-VNNI
-    m16, xs, n16 = codes.shape[0], codes.shape[1], out.shape[1]
-    k = xs - PAD
+    k = codes.shape[1] - PAD
     nsub = k // g
     amx = amx and nsub % 2 == 0  # the AMX loop takes sub-blocks in pairs
     nblk = (w.shape[0] + 15) // 16
     for it in prange((nblk + BLOCKS - 1) // BLOCKS):
         b0, b1 = it * BLOCKS, min(nblk, it * BLOCKS + BLOCKS)
         wb, s, z = _item(w, qtype, b0, b1, k, nsub, False)
-        for t in range(m16 // 16):
-            xa = codes.ctypes.data + 16 * t * xs
-            da, va = dxs.ctypes.data + 64 * t * nsub, sv.ctypes.data + 64 * t * nsub
+        for t in range(codes.shape[0] // 16):
             for b in range(b0, b1):
-                i = b - b0
-                wa = wb.ctypes.data + i * 16 * k  # 16 rows x k codes a block
-                sa, za = s.ctypes.data + i * 64 * nsub, z.ctypes.data + i * 64 * nsub
-                oa = out.ctypes.data + 4 * (16 * t * n16 + 16 * b)
+                a = _tile_args(codes, dxs, sv, wb, s, z, out, t, b, b0, nsub)
                 if amx and g == 32:
-                    amx32(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    amx32(*a)
                 elif amx:
-                    amx16(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    amx16(*a)
                 elif g == 32:
-                    vnni32(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    vnni32(*a)
                 else:
-                    vnni16(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    vnni16(*a)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def _qgemm_avxvnni(w, qtype, codes, dxs, sv, out, g):
     # AVX-VNNI: 256-bit vpdpbusd
-    m16, xs, n16 = codes.shape[0], codes.shape[1], out.shape[1]
-    k = xs - PAD
+    k = codes.shape[1] - PAD
     nsub = k // g
     nblk = (w.shape[0] + 15) // 16
     for it in prange((nblk + BLOCKS - 1) // BLOCKS):
         b0, b1 = it * BLOCKS, min(nblk, it * BLOCKS + BLOCKS)
         wb, s, z = _item(w, qtype, b0, b1, k, nsub, False)
-        for t in range(m16 // 16):
-            xa = codes.ctypes.data + 16 * t * xs
-            da, va = dxs.ctypes.data + 64 * t * nsub, sv.ctypes.data + 64 * t * nsub
+        for t in range(codes.shape[0] // 16):
             for b in range(b0, b1):
-                i = b - b0
-                wa = wb.ctypes.data + i * 16 * k
-                sa, za = s.ctypes.data + i * 64 * nsub, z.ctypes.data + i * 64 * nsub
-                oa = out.ctypes.data + 4 * (16 * t * n16 + 16 * b)
+                a = _tile_args(codes, dxs, sv, wb, s, z, out, t, b, b0, nsub)
                 if g == 32:
-                    avxvnni32(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    avxvnni32(*a)
                 else:
-                    avxvnni16(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    avxvnni16(*a)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def _qgemm_avx2(w, qtype, codes, dxs, sv, out, g):
     # AVX2: vpmaddubsw + vpmaddwd, the int16 sums by the type's code range (kernels/_qtile.py)
-    m16, xs, n16 = codes.shape[0], codes.shape[1], out.shape[1]
-    k = xs - PAD
+    k = codes.shape[1] - PAD
     nsub = k // g
     nblk = (w.shape[0] + 15) // 16
     for it in prange((nblk + BLOCKS - 1) // BLOCKS):
         b0, b1 = it * BLOCKS, min(nblk, it * BLOCKS + BLOCKS)
         wb, s, z = _item(w, qtype, b0, b1, k, nsub, True)
-        for t in range(m16 // 16):
-            xa = codes.ctypes.data + 16 * t * xs
-            da, va = dxs.ctypes.data + 64 * t * nsub, sv.ctypes.data + 64 * t * nsub
+        for t in range(codes.shape[0] // 16):
             for b in range(b0, b1):
-                i = b - b0
-                wa = wb.ctypes.data + i * 16 * k
-                sa, za = s.ctypes.data + i * 64 * nsub, z.ctypes.data + i * 64 * nsub
-                oa = out.ctypes.data + 4 * (16 * t * n16 + 16 * b)
+                a = _tile_args(codes, dxs, sv, wb, s, z, out, t, b, b0, nsub)
                 if qtype == Q8_0:
-                    avx2_q8(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    avx2_q8(*a)
                 elif qtype == Q6_K:
-                    avx2_6bit(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    avx2_6bit(*a)
                 elif qtype == Q5_0 or qtype == Q5_1 or qtype == Q5_K:
-                    avx2_5bit(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    avx2_5bit(*a)
                 else:
-                    avx2_4bit(xa, xs, da, va, wa, sa, za, nsub, oa, 4 * n16)
+                    avx2_4bit(*a)
 
 
 def quantise_rows(x: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
