@@ -89,7 +89,7 @@ class TerminalUI:
     def progress(self, label: str, min_tokens: int = 0, eta: Any = None
                  ) -> Iterator[Callable[[int, int], None]]:
         """A progress callback (done, total) that shows a bar once `total >= min_tokens`; `eta`
-        (a ktlong.eta.Eta: the read's reach and end) gives its time left."""
+        (a ktlong.eta.Eta: the keys the read's tokens read, its end) gives its time left."""
         from ktlong.eta import Eta
 
         bar: list[Any] = []

@@ -1142,7 +1142,15 @@ def bench_qgemm(paths: Annotated[str | None, typer.Option(
     """The int8 prefill GEMM per tile product (one tile, a 14336 x 4096 Q4_K matrix x 1,024
     tokens) in GOP/s, beside torch float32."""
     from ktlong.bench import qgemm
+    from ktlong.kernels import qmatmul
 
+    if cpu is not None and cpu not in qgemm.NARROW:
+        raise KtlongError(f"--cpu {cpu}: not one of {', '.join(sorted(qgemm.NARROW))}")
+    have = [p for p in qmatmul.GEMM_PATHS if qmatmul.HAVE_PATH[p]]
+    for p in (paths or "").split(","):
+        if p and p not in have:
+            raise KtlongError(f"no {p} int8 GEMM on this CPU (it has: {', '.join(have)})",
+                              hint="--cpu avx2 runs AVX2 code as a CPU without AVX-512 would")
     argv = ["--threads", threads] + (["--paths", paths] if paths else []) \
         + (["--cpu", cpu] if cpu else []) + (["--torch"] if torch_too else [])
     qgemm.main(argv)

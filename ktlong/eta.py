@@ -86,6 +86,7 @@ class Eta:
         self.total = 0
         self.points: list[tuple[float, float, float]] = []  # (seconds, tokens, keys) since t0
         self.x0 = 0.0  # tokens done when fitting starts
+        self._fitted: tuple[int, tuple[float, float] | None] = (-1, None)  # (points, fit)
 
     def update(self, done: int, total: int, now: float | None = None) -> None:
         now = self.clock() if now is None else now
@@ -94,6 +95,7 @@ class Eta:
             self.start = max(0, self.end - total)
         if self.t0 is None or done < self.x0 or (not self.points and done <= SKIP_SHARE * total):
             self.t0, self.x0, self.points = now, float(done), []
+            self._fitted = (-1, None)
             return
         if self.points and done == self.points[-1][1] + self.x0:
             return
@@ -131,7 +133,9 @@ class Eta:
 
     def remaining(self) -> float | None:
         """Seconds left, or None while too little is known."""
-        ab = self.fit()
+        if self._fitted[0] != len(self.points):  # the bar asks ~10 times a second
+            self._fitted = (len(self.points), self.fit())
+        ab = self._fitted[1]
         if ab is None:
             return None
         a, b = ab

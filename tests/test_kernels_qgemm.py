@@ -241,3 +241,14 @@ def test_gated_mlp_int8_prefill_is_close_to_fp32():
         assert set_prefill_matmul(holder, "AUTO") == "INT8" and gated.int8
         got = gated(x)
     _bf16_close(got, want, rel=0.03)
+
+
+def test_bench_qgemm_refuses_an_unknown_cpu_or_product_in_one_line():
+    from typer.testing import CliRunner
+
+    from ktlong.cli import app
+
+    for args, said in ((["--cpu", "sse2"], "--cpu sse2: not one of avx-vnni, avx2"),
+                       (["--paths", "neon"], "no neon int8 GEMM on this CPU")):
+        r = CliRunner().invoke(app, ["bench", "qgemm", *args])
+        assert r.exit_code == 2 and said in r.output and "Traceback" not in r.output
