@@ -96,11 +96,11 @@ class Settings:
                              "the CPU: INT8 multiplies a GGUF file's quantised blocks by "
                              "activations rounded to int8 (AMX, AVX512-VNNI, AVX-VNNI or AVX2, as "
                              "llama.cpp's Q8 activations); BF16 rounds activations and weight "
-                             "tiles to "
-                             "bfloat16 (about 2x the FP32 speed where the CPU has BF16 dot "
-                             "products, error ~4e-3 of a row's largest output); AUTO = INT8 "
-                             "for quantised layers at least 1024 wide on such a CPU, else BF16 "
-                             "on a BF16 CPU for layers at least 512 wide, else FP32",
+                             "tiles to bfloat16 (about 2x the FP32 speed where the CPU has "
+                             "BF16 dot products, error ~4e-3 of a row's largest output); "
+                             "AUTO = INT8 for quantised layers at least 1024 wide on such a "
+                             "CPU, else BF16 on a BF16 CPU for layers at least 512 wide, else "
+                             "FP32",
                              choices=("AUTO", "INT8", "BF16", "FP32"))
     threads_num: int = _f("int", 0, "runtime", "CPU threads (kernels and torch); 0 = the cores "
                           "idle when a prefill or an answer starts and every 16 tokens of an "
